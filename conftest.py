@@ -1,0 +1,93 @@
+"""Autouse guards for every test and doctest: restore, and assert nothing leaked.
+
+- ``os.environ``: restored; a test that leaves it changed fails (use ``monkeypatch.setenv``).
+- torch determinism flags and thread count: restored; a leak fails the test.
+- global RNG states (Python, NumPy, torch CPU): restored; a leak fails the test unless it
+  requests the ``rng_changes_ok`` fixture (doctests are allowed to change them).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+
+def _flags() -> dict[str, Any]:
+    return {
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        "mkldnn.enabled": torch.backends.mkldnn.enabled,
+        "num_threads": torch.get_num_threads(),
+    }
+
+
+def _restore_flags(f: dict[str, Any]) -> None:
+    torch.use_deterministic_algorithms(f["deterministic"], warn_only=f["warn_only"])
+    torch.backends.cudnn.deterministic = f["cudnn.deterministic"]
+    torch.backends.cudnn.benchmark = f["cudnn.benchmark"]
+    torch.backends.cudnn.allow_tf32 = f["cudnn.allow_tf32"]
+    torch.backends.cuda.matmul.allow_tf32 = f["matmul.allow_tf32"]
+    torch.set_float32_matmul_precision(f["float32_matmul_precision"])
+    torch.utils.deterministic.fill_uninitialized_memory = f["fill_uninitialized_memory"]  # type: ignore[attr-defined]
+    torch.backends.mkldnn.enabled = f["mkldnn.enabled"]
+    torch.set_num_threads(f["num_threads"])
+
+
+def _rng() -> tuple[Any, ...]:
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state())
+
+
+def _same_rng(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    np_same = a[1][0] == b[1][0] and bool((a[1][1] == b[1][1]).all()) and a[1][2:] == b[1][2:]
+    return a[0] == b[0] and np_same and torch.equal(a[2], b[2])
+
+
+def _environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+@pytest.fixture
+def rng_changes_ok() -> None:
+    """Request this fixture in a test that changes global RNG state on purpose."""
+
+
+@pytest.fixture(autouse=True)
+def _guard_global_state(request: pytest.FixtureRequest) -> Iterator[None]:
+    env = _environ()
+    flags = _flags()
+    rng = _rng()
+    yield
+    problems = []
+    env_now = _environ()
+    if env_now != env:
+        changed = sorted(k for k in set(env) | set(env_now) if env.get(k) != env_now.get(k))
+        problems.append(f"os.environ changed: {changed}")
+        for k in set(env_now) - set(env):
+            del os.environ[k]
+        os.environ.update(env)
+    flags_now = _flags()
+    if flags_now != flags:
+        changed = sorted(k for k in flags if flags[k] != flags_now[k])
+        problems.append(f"torch flags changed: {changed}")
+        _restore_flags(flags)
+    rng_allowed = "rng_changes_ok" in request.fixturenames or isinstance(request.node, pytest.DoctestItem)
+    if not _same_rng(rng, _rng()):
+        if not rng_allowed:
+            problems.append("global RNG state changed (request `rng_changes_ok` if intended)")
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+    if problems:
+        pytest.fail("test leaked global state: " + "; ".join(problems), pytrace=False)

@@ -1,0 +1,81 @@
+"""torchrepro: bit-for-bit reproducible PyTorch training, and where and why runs part.
+
+Importing torchrepro imports torch and the standard library only (NumPy when installed);
+optional extras are imported lazily by the functions that need them.
+"""
+
+from torchrepro.audit import Finding
+
+# -- checkpoint -------------------------------------------------------------------------------
+from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+# -- data -------------------------------------------------------------------------------------
+from torchrepro.data import SeededLoader, sample_rng
+from torchrepro.env import EnvDifference, Environment, collect_env, diff_env
+from torchrepro.errors import (
+    CheckpointError,
+    DataLoaderStateError,
+    DeterminismError,
+    EnvFileError,
+    LaunchError,
+    ReproError,
+    ReproWarning,
+    RngStateError,
+    TraceError,
+)
+
+# -- fingerprint / env ------------------------------------------------------------------------
+from torchrepro.fingerprint import fingerprint
+
+# -- flags ------------------------------------------------------------------------------------
+from torchrepro.flags import DeterminismFlags, StatusReport, reproducible, set_determinism, status
+from torchrepro.launch import relaunch
+
+# -- record / launch --------------------------------------------------------------------------
+from torchrepro.record import record
+
+# -- rng --------------------------------------------------------------------------------------
+from torchrepro.rng import RngState, fork_rng
+from torchrepro.seeding import derive_seed, seed_everything
+
+# -- trace / audit ----------------------------------------------------------------------------
+from torchrepro.trace import compare_traces, trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "DataLoaderStateError",
+    "DeterminismError",
+    "DeterminismFlags",
+    "EnvDifference",
+    "EnvFileError",
+    "Environment",
+    "Finding",
+    "LaunchError",
+    "ReproError",
+    "ReproWarning",
+    "RngState",
+    "RngStateError",
+    "SeededLoader",
+    "StatusReport",
+    "TraceError",
+    "__version__",
+    "collect_env",
+    "compare_traces",
+    "derive_seed",
+    "diff_env",
+    "fingerprint",
+    "fork_rng",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "record",
+    "relaunch",
+    "reproducible",
+    "sample_rng",
+    "save_checkpoint",
+    "seed_everything",
+    "set_determinism",
+    "status",
+    "trace",
+]

@@ -1,0 +1,8 @@
+"""Placeholder: audit."""
+
+# ruff: noqa
+from __future__ import annotations
+
+
+class Finding:
+    """Placeholder."""

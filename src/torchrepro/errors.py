@@ -1,0 +1,74 @@
+"""Errors and warnings raised by torchrepro.
+
+Invariants: every exception the library raises on purpose is a ``ReproError`` (or a built-in
+``TypeError``/``ValueError`` for plainly wrong arguments); every warning is a ``ReproWarning``,
+emitted at most once per process per key, with ``stacklevel`` pointing at the user's line.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = [
+    "CheckpointError",
+    "DataLoaderStateError",
+    "DeterminismError",
+    "EnvFileError",
+    "LaunchError",
+    "ReproError",
+    "ReproWarning",
+    "RngStateError",
+    "TraceError",
+    "warn_once",
+]
+
+
+class ReproError(RuntimeError):
+    """Base class of every error torchrepro raises on purpose."""
+
+
+class DeterminismError(ReproError):
+    """A determinism setting cannot be applied (for example CUDA started before CUBLAS was set)."""
+
+
+class RngStateError(ReproError):
+    """An RNG state cannot be captured, restored or parsed."""
+
+
+class DataLoaderStateError(ReproError):
+    """A loader state does not fit the loader it is loaded into."""
+
+
+class CheckpointError(ReproError):
+    """A checkpoint cannot be written, read, or does not match what it is loaded into."""
+
+
+class LaunchError(ReproError):
+    """A script or module cannot be launched as asked."""
+
+
+class TraceError(ReproError):
+    """An op trace cannot be recorded, read or compared."""
+
+
+class EnvFileError(ReproError):
+    """An environment or run-record file is unreadable or malformed."""
+
+
+class ReproWarning(UserWarning):
+    """Base class of every warning torchrepro emits."""
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning] = ReproWarning, *, stacklevel: int = 2) -> bool:
+    """Emit ``message`` once per process for ``key``; return whether it was emitted.
+
+    ``stacklevel`` counts from the caller of ``warn_once`` (2 = the caller's caller).
+    """
+    if key in _warned:
+        return False
+    _warned.add(key)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+    return True

@@ -1,0 +1,111 @@
+"""Seeds: one derivation for every child seed, and one call that seeds every RNG.
+
+Invariants:
+- ``derive_seed`` is pure and platform independent (BLAKE2b over an unambiguous, typed encoding
+  of the keys; never Python's ``hash()``), so every process derives the same child seeds.
+- Every library gets its own derived seed: distinct user seeds give distinct streams everywhere,
+  and NumPy's 32-bit seed limit never truncates a 64-bit user seed.
+- ``seed_everything`` is the only function here that writes global RNG state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import struct
+
+import torch
+
+from torchrepro._compat import numpy_or_none
+
+__all__ = ["MAX_SEED", "current_seed", "derive_seed", "seed_everything", "validate_seed"]
+
+MAX_SEED = 2**64 - 1
+"""The largest seed accepted anywhere (seeds are unsigned 64-bit integers)."""
+
+_current_seed: int | None = None
+_PERSON = b"torchrepro.seed1"  # BLAKE2b personalisation: changes only with the derivation itself
+
+
+def validate_seed(seed: object, name: str = "seed") -> int:
+    """Return ``seed`` as an int if it is a valid seed, else raise ``TypeError``/``ValueError``."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            f"{name} must be an int in [0, 2**64 - 1], got {type(seed).__name__} {seed!r}; "
+            f"pass an integer such as {name}=0."
+        )
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{name} must be in [0, 2**64 - 1] (0 <= {name} <= {MAX_SEED}), got {seed}.")
+    return int(seed)
+
+
+def _encode_key(key: object) -> bytes:
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(
+            f"derive_seed keys must be int or str, got {type(key).__name__} {key!r}; "
+            "convert it first, e.g. str(key) or int(key)."
+        )
+    if isinstance(key, int):
+        length = (key.bit_length() + 8) // 8  # room for the sign bit
+        body = key.to_bytes(length, "little", signed=True)
+        return b"i" + struct.pack("<I", length) + body
+    data = key.encode("utf-8", "surrogatepass")
+    return b"s" + struct.pack("<I", len(data)) + data
+
+
+def derive_seed(seed: int, *keys: int | str) -> int:
+    """Derive a 64-bit child seed from ``seed`` and ``keys``: pure, stable across processes.
+
+    Distinct key tuples give distinct seeds (``1`` and ``"1"`` differ, so do ``("a", 1)`` and
+    ``("a1",)``), and so do their low 32 bits.
+
+    >>> derive_seed(0, "worker", 3) == derive_seed(0, "worker", 3)
+    True
+    >>> derive_seed(0, 1) != derive_seed(0, "1")
+    True
+    >>> 0 <= derive_seed(2**64 - 1, "numpy") < 2**64
+    True
+    """
+    seed = validate_seed(seed)
+    h = hashlib.blake2b(digest_size=8, person=_PERSON)
+    h.update(seed.to_bytes(8, "little"))
+    h.update(struct.pack("<I", len(keys)))
+    for key in keys:
+        h.update(_encode_key(key))
+    return int.from_bytes(h.digest(), "little")
+
+
+def _numpy_seed_words(seed: int) -> list[int]:
+    """Two 32-bit words: NumPy's legacy seeding takes uint32 arrays, not 64-bit ints."""
+    return [seed & 0xFFFFFFFF, seed >> 32]
+
+
+def seed_everything(seed: int | None = None) -> int:
+    """Seed Python ``random``, NumPy's global RNG (if installed), torch CPU and every device.
+
+    Each library is seeded with ``derive_seed(seed, <library>)``. ``None`` draws a fresh seed
+    from OS entropy. Returns the seed used, so it can be logged. RNG *objects* you created
+    (``torch.Generator``, ``numpy.random.Generator``) are not reached by global seeding: create
+    them from ``derive_seed(seed, "name")``.
+
+    >>> seed_everything(7)
+    7
+    """
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    seed = validate_seed(seed)
+    global _current_seed
+    random.seed(derive_seed(seed, "python"))
+    np = numpy_or_none()
+    if np is not None:
+        np.random.seed(_numpy_seed_words(derive_seed(seed, "numpy")))
+    # torch.manual_seed seeds the CPU generator and every initialised or lazy device generator.
+    torch.manual_seed(derive_seed(seed, "torch"))
+    _current_seed = seed
+    return seed
+
+
+def current_seed() -> int | None:
+    """The seed last given to ``seed_everything`` in this process, or ``None``."""
+    return _current_seed
