@@ -5,11 +5,7 @@ optional extras are imported lazily by the functions that need them.
 """
 
 from torchrepro.audit import Finding
-
-# -- checkpoint -------------------------------------------------------------------------------
 from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
-# -- data -------------------------------------------------------------------------------------
 from torchrepro.data import SeededLoader, sample_rng
 from torchrepro.env import EnvDifference, Environment, collect_env, diff_env
 from torchrepro.errors import (
@@ -23,22 +19,12 @@ from torchrepro.errors import (
     RngStateError,
     TraceError,
 )
-
-# -- fingerprint / env ------------------------------------------------------------------------
 from torchrepro.fingerprint import fingerprint
-
-# -- flags ------------------------------------------------------------------------------------
 from torchrepro.flags import DeterminismFlags, StatusReport, reproducible, set_determinism, status
 from torchrepro.launch import relaunch
-
-# -- record / launch --------------------------------------------------------------------------
 from torchrepro.record import record
-
-# -- rng --------------------------------------------------------------------------------------
 from torchrepro.rng import RngState, fork_rng
 from torchrepro.seeding import derive_seed, seed_everything
-
-# -- trace / audit ----------------------------------------------------------------------------
 from torchrepro.trace import compare_traces, trace
 
 __version__ = "0.1.0"
