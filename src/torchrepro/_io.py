@@ -1,0 +1,82 @@
+"""Atomic file writes: every file torchrepro saves goes through here.
+
+Invariant: a crash at any moment leaves either the old file or the complete new one at ``path``,
+never a torn one: data goes to a temporary file in the same directory, is fsynced, then renamed
+over ``path`` with ``os.replace``, and the directory is fsynced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+__all__ = ["TMP_SUFFIX", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json"]
+
+TMP_SUFFIX = ".tmp-torchrepro"
+"""Suffix of in-progress temporary files (``latest_checkpoint`` and friends ignore them)."""
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary file beside ``path``; on a clean exit it atomically becomes ``path``.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open supports modes 'wb' and 'w', got {mode!r}")
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 2) -> None:
+    """Write ``obj`` as JSON (UTF-8, sorted keys, trailing newline) to ``path`` atomically."""
+    text = json.dumps(obj, indent=indent, sort_keys=True, allow_nan=False) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_torch_save(path: str | os.PathLike[str], obj: Any) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically (serialised in memory first)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    atomic_write_bytes(path, buffer.getbuffer().tobytes())
