@@ -1,10 +1,414 @@
-"""Placeholder: fingerprints."""
+"""Fingerprints: one digest for tensors, modules, optimizers, state dicts and nested containers.
 
-# ruff: noqa
+Invariants:
+- ``fingerprint(obj)`` is a 32-character hex string (128-bit BLAKE2b) that depends only on the
+  *value*: dtype, shape and the bytes of every tensor in row-major order, the structure and the
+  plain values of containers. It is the same in any process, for any memory layout (views,
+  non-contiguous, other strides, conjugate/negative views), and on any device of a little-endian
+  host; it changes when any single bit, the order of elements, a dtype or a shape changes.
+- A module hashes as its ``state_dict()`` (parameters and persistent buffers), an optimizer or any
+  other object with a ``state_dict()`` method as that state dict; dicts are hashed independently
+  of insertion order, lists and tuples as the same ordered sequence.
+- Large tensors are hashed where they live, with torch integer ops in bounded chunks: the bytes
+  are read as 64-bit words, each word is mixed with its position (multiply-xorshift, wrapping
+  int64 arithmetic) and the mixed words are summed exactly. Integer sums do not depend on order,
+  so the digest is the same on every device and for every chunking; only a few reduced numbers
+  leave the device. Small tensors take a fast path over their bytes with ``hashlib``.
+- Nothing here changes global torch state; unsupported objects raise ``TypeError`` naming the
+  type and where it sits inside the container.
+"""
+
 from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import math
+import struct
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Set
 from typing import Any
+
+import torch
+
+__all__ = ["fingerprint"]
+
+#: Tensors of at most this many bytes are hashed with hashlib over their bytes (on the host).
+SMALL_TENSOR_BYTES = 1 << 16
+#: Words (int64) processed per chunk on the CPU (keeps the temporaries in cache) and elsewhere.
+_CPU_CHUNK_WORDS = 1 << 15
+_DEVICE_CHUNK_WORDS = 1 << 22
+
+_DIGEST_BYTES = 16
+_FORMAT = b"torchrepro.fingerprint.v1"
+
+
+def _signed(c: int) -> int:
+    """The int64 that has the bits of the 64-bit unsigned constant ``c``."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# Odd 64-bit multipliers (golden ratio and the splitmix64 finaliser constants).
+_K_POS = _signed(0x9E3779B97F4A7C15)
+_C1 = _signed(0xBF58476D1CE4E5B9)
+_C2 = _signed(0x94D049BB133111EB)
+_MASK32 = (1 << 32) - 1
+_MASK35 = (1 << 35) - 1
+
+_active = threading.local()
+
+
+def fingerprinting() -> bool:
+    """Whether this thread is inside ``fingerprint`` (op recorders ignore the ops it runs)."""
+    return bool(getattr(_active, "depth", 0))
 
 
 def fingerprint(obj: Any) -> str:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+    """Return a 32-character hex digest of ``obj``'s value, stable across processes and layouts.
+
+    Accepts tensors of every dtype (dense, sparse, quantized), ``nn.Module`` (its state dict,
+    buffers included), optimizers, schedulers and other objects with a ``state_dict()`` method,
+    NumPy arrays and scalars, dataclasses, and nested dicts, lists, tuples and sets of these plus
+    numbers, strings, bytes and ``None``. A NumPy array hashes like the equal torch tensor.
+
+    >>> import torch
+    >>> t = torch.arange(6.0).reshape(2, 3)
+    >>> fingerprint(t) == fingerprint(t.t().contiguous().t())  # layout does not matter
+    True
+    >>> fingerprint(t) == fingerprint(t.reshape(3, 2))  # shape does
+    False
+    >>> len(fingerprint({"w": t, "step": 3}))
+    32
+    """
+    _active.depth = getattr(_active, "depth", 0) + 1
+    try:
+        return _Hasher().digest(obj, "obj").hex()
+    finally:
+        _active.depth -= 1
+
+
+def _blake(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"torchrepro")
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    return h.digest()
+
+
+def _int_bytes(n: int) -> bytes:
+    return n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+
+
+class _Hasher:
+    """One traversal of an object; tracks the containers on the current path to catch cycles."""
+
+    def __init__(self) -> None:
+        self._stack: set[int] = set()
+
+    def digest(self, obj: Any, path: str) -> bytes:
+        if obj is None:
+            return _blake(b"none")
+        if isinstance(obj, bool):
+            return _blake(b"bool", b"1" if obj else b"0")
+        if isinstance(obj, int):
+            return _blake(b"int", _int_bytes(int(obj)))
+        if isinstance(obj, float):
+            return _blake(b"float", struct.pack("<d", obj))
+        if isinstance(obj, complex):
+            return _blake(b"complex", struct.pack("<dd", obj.real, obj.imag))
+        if isinstance(obj, str):
+            return _blake(b"str", obj.encode("utf-8", "surrogatepass"))
+        if isinstance(obj, (bytes, bytearray, memoryview)):
+            return _blake(b"bytes", bytes(obj))
+        if isinstance(obj, torch.Tensor):
+            return _tensor_digest(obj, path)
+        if isinstance(obj, torch.dtype):
+            return _blake(b"dtype", str(obj).encode())
+        if isinstance(obj, torch.device):
+            return _blake(b"device", str(obj).encode())
+        if _is_numpy(obj):
+            return _numpy_digest(obj, path)
+        if isinstance(obj, torch.nn.Module):
+            return self._nested(obj, path, lambda: self.digest(obj.state_dict(keep_vars=True), path))
+        if isinstance(obj, Mapping):
+            return self._nested(obj, path, lambda: self._mapping(obj, path))
+        if isinstance(obj, (list, tuple)):
+            return self._nested(obj, path, lambda: self._sequence(obj, path))
+        if isinstance(obj, Set):
+            return self._nested(obj, path, lambda: self._set(obj, path))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            return self._nested(obj, path, lambda: self._dataclass(obj, path))
+        state_dict = getattr(obj, "state_dict", None)
+        if callable(state_dict) and not isinstance(obj, type):
+            return self._nested(obj, path, lambda: self.digest(state_dict(), f"{path}.state_dict()"))
+        raise TypeError(
+            f"fingerprint() cannot hash an object of type {_type_name(obj)} at {path}. Supported: "
+            "tensors, modules, optimizers and other objects with a state_dict() method, NumPy arrays, "
+            "dataclasses, dicts, lists, tuples and sets of these, numbers, strings, bytes and None; "
+            "convert the object to one of these first (for example a tensor or a dict)."
+        )
+
+    def _nested(self, obj: Any, path: str, compute: Callable[[], bytes]) -> bytes:
+        key = id(obj)
+        if key in self._stack:
+            raise ValueError(f"fingerprint() found a reference cycle: {path} contains itself")
+        self._stack.add(key)
+        try:
+            return compute()
+        finally:
+            self._stack.discard(key)
+
+    def _mapping(self, obj: Mapping[Any, Any], path: str) -> bytes:
+        items = sorted(
+            self.digest(k, f"{path} key {k!r}") + self.digest(v, f"{path}[{k!r}]") for k, v in obj.items()
+        )
+        return _blake(b"map", len(items).to_bytes(8, "little"), *items)
+
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], path: str) -> bytes:
+        return _blake(
+            b"seq",
+            len(obj).to_bytes(8, "little"),
+            *(self.digest(v, f"{path}[{i}]") for i, v in enumerate(obj)),
+        )
+
+    def _set(self, obj: Set[Any], path: str) -> bytes:
+        return _blake(b"set", *sorted(self.digest(v, f"{path} element {v!r}") for v in obj))
+
+    def _dataclass(self, obj: Any, path: str) -> bytes:
+        cls = type(obj)
+        parts = [f"{cls.__module__}.{cls.__qualname__}".encode()]
+        for f in dataclasses.fields(obj):
+            parts += [f.name.encode(), self.digest(getattr(obj, f.name), f"{path}.{f.name}")]
+        return _blake(b"dataclass", *parts)
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_numpy(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, (np.ndarray, np.generic))
+
+
+# --- tensors -------------------------------------------------------------------------------------
+
+
+def _header(kind: bytes, dtype: str, shape: tuple[int, ...]) -> bytes:
+    return _FORMAT + b"|" + kind + b"|" + dtype.encode() + b"|" + ",".join(map(str, shape)).encode()
+
+
+def _tensor_digest(t: torch.Tensor, path: str) -> bytes:
+    t = t.detach()
+    if t.device.type == "meta" or _is_fake(t):
+        raise TypeError(
+            f"fingerprint() cannot hash the {t.device.type} tensor at {path}: it holds no data. "
+            "Fingerprint a tensor with materialised values."
+        )
+    if t.is_nested:
+        return _blake(b"nested", *(_tensor_digest(x, f"{path}[{i}]") for i, x in enumerate(t.unbind())))
+    layout = t.layout
+    if layout == torch.sparse_coo:
+        c = t.coalesce()
+        return _blake(
+            _header(b"sparse_coo", str(t.dtype), tuple(t.shape)),
+            _tensor_digest(c.indices(), f"{path}.indices()"),
+            _tensor_digest(c.values(), f"{path}.values()"),
+        )
+    if layout in _COMPRESSED:
+        outer, inner = _COMPRESSED[layout]
+        return _blake(
+            _header(str(layout).encode(), str(t.dtype), tuple(t.shape)),
+            _tensor_digest(getattr(t, outer)(), f"{path}.{outer}()"),
+            _tensor_digest(getattr(t, inner)(), f"{path}.{inner}()"),
+            _tensor_digest(t.values(), f"{path}.values()"),
+        )
+    if layout != torch.strided:
+        raise TypeError(f"fingerprint() cannot hash the tensor at {path}: layout {layout} is not supported.")
+    if t.is_quantized:
+        return _quantized_digest(t, path)
+    t = t.resolve_conj().resolve_neg()
+    return _dense_digest(t, _header(b"tensor", str(t.dtype), tuple(t.shape)), path)
+
+
+_COMPRESSED = {
+    torch.sparse_csr: ("crow_indices", "col_indices"),
+    torch.sparse_bsr: ("crow_indices", "col_indices"),
+    torch.sparse_csc: ("ccol_indices", "row_indices"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices"),
+}
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "FakeTensor"
+
+
+def _quantized_digest(t: torch.Tensor, path: str) -> bytes:
+    scheme = t.qscheme()
+    parts = [_header(b"quantized", str(t.dtype), tuple(t.shape)), str(scheme).encode()]
+    if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        parts += [struct.pack("<d", t.q_scale()), _int_bytes(t.q_zero_point())]
+    elif scheme in (
+        torch.per_channel_affine,
+        torch.per_channel_symmetric,
+        torch.per_channel_affine_float_qparams,
+    ):
+        parts += [
+            _int_bytes(t.q_per_channel_axis()),
+            _tensor_digest(t.q_per_channel_scales(), f"{path}.q_per_channel_scales()"),
+            _tensor_digest(t.q_per_channel_zero_points(), f"{path}.q_per_channel_zero_points()"),
+        ]
+    else:
+        raise TypeError(f"fingerprint() cannot hash the quantized tensor at {path}: qscheme {scheme}.")
+    parts.append(_tensor_digest(t.int_repr(), f"{path}.int_repr()"))
+    return _blake(b"quantized", *parts)
+
+
+def _dense_digest(t: torch.Tensor, header: bytes, path: str) -> bytes:
+    nbytes = t.numel() * t.element_size()
+    try:
+        if nbytes <= SMALL_TENSOR_BYTES:
+            return _blake(header, b"small", _small_bytes_digest(t))
+        return _blake(header, b"words", _word_digest(t))
+    except RuntimeError as exc:  # a dtype or tensor kind torch cannot view as bytes
+        raise TypeError(
+            f"fingerprint() cannot read the bytes of the {t.dtype} tensor at {path}: {exc}"
+        ) from None
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (valid while ``t`` lives)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return memoryview(buf).cast("B")
+
+
+def _small_bytes_digest(t: torch.Tensor) -> bytes:
+    flat = t.reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.to("cpu")
+    flat = flat.contiguous()
+    return hashlib.sha256(_host_bytes(flat)).digest()
+
+
+def _byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
+    """1-D contiguous uint8 pieces of ``t``'s bytes in row-major order, each at most about ``max_bytes``.
+
+    Only non-contiguous tensors are copied, a bounded piece at a time, on their own device.
+    """
+    if t.is_contiguous():
+        flat = t.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), max_bytes):
+            yield flat[start : start + max_bytes]
+        return
+    rows = t.shape[0]
+    row_bytes = math.prod(t.shape[1:]) * t.element_size()
+    if row_bytes >= max_bytes:
+        for i in range(rows):
+            yield from _byte_pieces(t[i], max_bytes)
+        return
+    step = max(1, max_bytes // max(row_bytes, 1))
+    for start in range(0, rows, step):
+        yield t[start : start + step].contiguous().reshape(-1).view(torch.uint8)
+
+
+def _as_words(piece: torch.Tensor) -> torch.Tensor:
+    """View a uint8 piece whose length is a multiple of 8 as int64 words (copying if misaligned)."""
+    if piece.storage_offset() % 8 != 0:
+        piece = piece.clone()
+    return piece.view(torch.int64)
+
+
+class _WordMixer:
+    """Accumulates two 64-bit lanes over position-keyed, mixed int64 words, on one device.
+
+    For word ``w`` at absolute word index ``i``: ``k = i * K``; ``x = mix(w ^ k)`` with two
+    multiply-xorshift rounds (a bijection of ``w`` for each ``i``, so one changed word always
+    changes lane A); lane A sums ``x``, lane B sums ``x * k``. Both sums wrap modulo 2**64.
+    """
+
+    def __init__(self, device: torch.device, chunk: int) -> None:
+        self.device = device
+        self.chunk = chunk
+        self.position = 0
+        self.lane_a = torch.zeros((), dtype=torch.int64, device=device)
+        self.lane_b = torch.zeros((), dtype=torch.int64, device=device)
+        self._base: torch.Tensor | None = None
+        self._key = torch.empty(0, dtype=torch.int64, device=device)
+        self._x = torch.empty(0, dtype=torch.int64, device=device)
+        self._tmp = torch.empty(0, dtype=torch.int64, device=device)
+
+    def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._base is None or self._base.numel() < n:
+            size = min(max(n, 1), self.chunk)
+            self._base = torch.arange(size, dtype=torch.int64, device=self.device).mul_(_K_POS)
+            self._key = torch.empty(size, dtype=torch.int64, device=self.device)
+            self._x = torch.empty(size, dtype=torch.int64, device=self.device)
+            self._tmp = torch.empty(size, dtype=torch.int64, device=self.device)
+        return self._base[:n], self._key[:n], self._x[:n], self._tmp[:n]
+
+    def update(self, words: torch.Tensor) -> None:
+        for start in range(0, words.numel(), self.chunk):
+            w = words[start : start + self.chunk]
+            n = w.numel()
+            base, key, x, tmp = self._buffers(n)
+            torch.add(base, _signed((self.position * _K_POS) % (1 << 64)), out=key)
+            torch.bitwise_xor(w, key, out=x)
+            x.mul_(_C1)
+            torch.bitwise_right_shift(x, 32, out=tmp)
+            x.bitwise_xor_(tmp.bitwise_and_(_MASK32))
+            x.mul_(_C2)
+            torch.bitwise_right_shift(x, 29, out=tmp)
+            x.bitwise_xor_(tmp.bitwise_and_(_MASK35))
+            self.lane_a.add_(x.sum())
+            self.lane_b.add_(key.mul_(x).sum())
+            self.position += n
+
+
+def _word_digest(t: torch.Tensor) -> bytes:
+    on_cpu = t.device.type == "cpu"
+    chunk = _CPU_CHUNK_WORDS if on_cpu else _DEVICE_CHUNK_WORDS
+    mixer = _WordMixer(t.device, chunk)
+    carry: torch.Tensor | None = None
+    for piece in _byte_pieces(t, chunk * 8):
+        if carry is not None and carry.numel():
+            piece = torch.cat([carry, piece])
+        aligned = piece.numel() // 8 * 8
+        if aligned:
+            mixer.update(_as_words(piece[:aligned]))
+        carry = piece[aligned:]
+    tail = b""
+    if carry is not None and carry.numel():
+        tail = bytes(carry.to("cpu").tolist())
+    lanes = torch.stack([mixer.lane_a, mixer.lane_b]).to("cpu").tolist()
+    return struct.pack("<qqq", mixer.position, *lanes) + tail
+
+
+def _numpy_digest(arr: Any, path: str) -> bytes:
+    import numpy as np
+
+    arr = np.asarray(arr)
+    if arr.dtype.kind == "O":
+        raise TypeError(
+            f"fingerprint() cannot hash the NumPy object array at {path}: its elements are Python "
+            "objects; convert it to a list or to a numeric array first."
+        )
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    if any(s < 0 for s in arr.strides):
+        arr = np.ascontiguousarray(arr)
+    try:
+        tensor_dtype = torch.from_numpy(np.empty(0, dtype=arr.dtype)).dtype
+    except TypeError:
+        tensor_dtype = None
+    if tensor_dtype is None:  # strings, datetimes, records: hash the raw bytes with the NumPy dtype
+        data = np.ascontiguousarray(arr)
+        return _blake(_header(b"ndarray", data.dtype.str, tuple(data.shape)), data.tobytes())
+    with warnings.catch_warnings():  # read-only arrays warn that the tensor would share them
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(arr)
+    return _tensor_digest(tensor, path)
