@@ -1,20 +1,618 @@
-"""Placeholder: checkpoints."""
+"""Checkpoints that bring back every bit: model, optimizer, scheduler, scaler, data position, RNG.
 
-# ruff: noqa
+Invariants:
+- A checkpoint is one ``torch.save`` file written atomically (temporary file in the same
+  directory, fsync, rename): a crash at any moment leaves the old file or the new one, never a
+  torn one. It loads with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
+  containers of them; anything else is refused when SAVING, naming the object and the key.
+- Every object's state is saved with its ``fingerprint``; ``load_checkpoint`` fingerprints the
+  restored state again and raises ``CheckpointError`` naming the object when they differ
+  (corrupt bytes, partial loads, dtype narrowing).
+- The full ``RngState`` is always saved and is restored LAST, after every object (loaders
+  included) is set up, so nothing consumes random numbers between the restore and training.
+- Under ``torch.distributed`` every rank calls ``save_checkpoint`` with the same ``path``;
+  rank 0 writes ``path`` and rank ``r > 0`` writes ``path + ".rank<r>"`` (its own objects and
+  RNG state). No collective is used, so a rank that does not save cannot hang the others; a
+  missing rank file or a different world size is a clear ``CheckpointError`` at load time.
+- ``latest_checkpoint`` orders checkpoints by the save clock stored in each file (a wall-clock
+  time kept monotonic across saves and resumes), never by filesystem mtime.
+"""
+
 from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import torch
 
-def save_checkpoint(path: Any, **objects: Any) -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+from torchrepro import _io
+from torchrepro.errors import CheckpointError, ReproError, ReproWarning, warn_once
+from torchrepro.fingerprint import fingerprint
+
+__all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+FORMAT_VERSION = 1
+"""Version of the checkpoint layout; files with a newer version are refused with a clear error."""
+
+_MARKER = "torchrepro_checkpoint"
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
+_ZIP_MAGIC = b"PK\x03\x04"
+_RANK_FILE = re.compile(r"\.rank(\d+)$")
+
+# Kinds, in the order load_checkpoint restores them (RNG comes after all of them).
+_RESTORE_ORDER = ("module", "optimizer", "scheduler", "grad_scaler", "stateful", "loader", "generator")
+_KIND_WORDS = {
+    "module": "a module (torch.nn.Module)",
+    "optimizer": "an optimizer (torch.optim.Optimizer)",
+    "scheduler": "an LR scheduler",
+    "grad_scaler": "a GradScaler (torch.amp.GradScaler)",
+    "stateful": "an object with state_dict()/load_state_dict()",
+    "loader": "a data loader (torchrepro.SeededLoader)",
+    "generator": "an RNG generator (torch.Generator, numpy.random.Generator or RandomState)",
+    "value": "a plain value",
+}
 
 
-def load_checkpoint(path: Any, **objects: Any) -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+# --------------------------------------------------------------------------- save clock
 
 
-def latest_checkpoint(directory: Any) -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+@dataclass
+class _Clock:
+    """Last save clock seen by this process (saved or loaded), so later saves order after it."""
+
+    saved_at_ns: int = 0
+    sequence: int = 0
+
+    def tick(self) -> tuple[int, int]:
+        saved_at = max(time.time_ns(), self.saved_at_ns + 1)
+        return saved_at, self.sequence + 1
+
+    def observe(self, saved_at_ns: int, sequence: int) -> None:
+        self.saved_at_ns = max(self.saved_at_ns, saved_at_ns)
+        self.sequence = max(self.sequence, sequence)
+
+
+_clock = _Clock()
+
+
+# --------------------------------------------------------------------------- kinds
+
+
+def _is_numpy_generator(obj: Any) -> bool:
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState))
+
+
+def _kind_of(name: str, obj: Any) -> str:
+    """The kind an object is saved as; ``TypeError`` naming ``name`` for anything unsupported."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    if isinstance(obj, torch.nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (LRScheduler, ReduceLROnPlateau)):
+        return "scheduler"
+    if isinstance(obj, torch.amp.GradScaler):
+        return "grad_scaler"
+    if isinstance(obj, torch.Generator) or _is_numpy_generator(obj):
+        return "generator"
+    stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    if isinstance(obj, torch.utils.data.DataLoader):
+        if stateful:
+            return "loader"
+        raise TypeError(
+            f"Cannot checkpoint {name!r}: a plain torch DataLoader has no resumable position. "
+            "Use torchrepro.SeededLoader(dataset, batch_size=..., seed=...) so a resume neither "
+            "replays nor skips batches."
+        )
+    if stateful:
+        return "stateful"
+    if _is_plain_value(obj):
+        return "value"
+    raise TypeError(
+        f"Cannot checkpoint {name!r} of type {type(obj).__module__}.{type(obj).__qualname__}: pass a "
+        "module, optimizer, LR scheduler, GradScaler, SeededLoader, torch/numpy Generator, an object "
+        "with state_dict()/load_state_dict(), or a plain value (number, string, bool, None, tensor, "
+        "or dicts/lists of those)."
+    )
+
+
+def _is_plain_value(obj: Any) -> bool:
+    if obj is None or isinstance(obj, (bool, int, float, str, torch.Tensor)):
+        return True
+    if type(obj) in (list, tuple):
+        return all(_is_plain_value(v) for v in obj)
+    if type(obj) in (dict, OrderedDict):
+        return all(isinstance(k, str) and _is_plain_value(v) for k, v in obj.items())
+    return False
+
+
+# --------------------------------------------------------------------------- weights_only check
+
+_SCALARS: tuple[type, ...] = (bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
+_MAPPINGS: tuple[type, ...] = (dict, OrderedDict, Counter)
+_SEQUENCES: tuple[type, ...] = (list, tuple, set, torch.Size)
+
+
+def _check_loadable(obj: Any, name: str, key: str = "") -> None:
+    """Raise ``CheckpointError`` if ``torch.load(weights_only=True)`` would refuse ``obj``."""
+    if obj is None or type(obj) in _SCALARS:
+        return
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            _refuse(obj, name, key, "a tensor subclass")
+        return
+    if type(obj) in _MAPPINGS:
+        for k, v in obj.items():
+            _check_loadable(k, name, f"{key}[{k!r}] (the key)")
+            _check_loadable(v, name, f"{key}[{k!r}]")
+        return
+    if type(obj) in _SEQUENCES:
+        for i, v in enumerate(obj):
+            _check_loadable(v, name, f"{key}[{i}]")
+        return
+    _refuse(obj, name, key, "an arbitrary Python object")
+
+
+def _refuse(obj: Any, name: str, key: str, what: str) -> None:
+    where = f"at {key}" if key else "itself"
+    raise CheckpointError(
+        f"Cannot checkpoint {name!r}: its state {where} is {what} of type "
+        f"{type(obj).__module__}.{type(obj).__qualname__}, which torch.load(weights_only=True) refuses. "
+        "Checkpoints hold only tensors, numbers, strings and containers of them; convert that "
+        "entry (e.g. to a tensor, a number or a string) in the object's state_dict()."
+    )
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def _distributed() -> tuple[int, int]:
+    """``(rank, world_size)``; ``(0, 1)`` outside an initialised process group."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():  # type: ignore[no-untyped-call]
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _determinism_switches() -> dict[str, Any]:
+    return {
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
+        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
+        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "mkldnn.enabled": bool(torch.backends.mkldnn.enabled),
+    }
+
+
+def _environment(rank: int, world_size: int) -> dict[str, Any]:
+    """A small record of what decides the bits: versions, devices, switches, threads, ranks."""
+    cuda_devices = []
+    if torch.cuda.is_initialized():
+        cuda_devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "torch": str(torch.__version__),  # TorchVersion is a str subclass weights_only refuses
+        "python": platform.python_version(),
+        "platform": sys.platform,
+        "cuda": torch.version.cuda or "",
+        "cuda_devices": cuda_devices,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "num_threads": torch.get_num_threads(),
+        "determinism": _determinism_switches(),
+        "rank": rank,
+        "world_size": world_size,
+    }
+
+
+# Keys compared on load; rank/world size are checked separately (a mismatch is an error).
+_ENV_COMPARED = ("torch", "python", "cuda", "cuda_devices", "cpu_capability", "num_threads", "determinism")
+
+
+def _env_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    diffs = []
+    for key in _ENV_COMPARED:
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [
+                f"{key}.{k}: saved {a.get(k)!r}, now {b.get(k)!r}" for k in sorted(a) if a.get(k) != b.get(k)
+            ]
+        elif a != b:
+            diffs.append(f"{key}: saved {a!r}, now {b!r}")
+    return diffs
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def _rank_path(path: Path, rank: int) -> Path:
+    return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
+    """Save ``objects`` by name, plus the full RNG state and an environment record, atomically.
+
+    Each object is saved by kind: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``,
+    ``SeededLoader`` and other objects with ``state_dict()``/``load_state_dict()`` through their
+    ``state_dict()``; ``torch.Generator``/``numpy.random.Generator`` objects inside the RNG state;
+    numbers, strings, bools, ``None``, tensors and dicts/lists of those as they are. Every
+    object's state is saved with its fingerprint so ``load_checkpoint`` can verify the restore.
+
+    Under ``torch.distributed`` call it on every rank with the same ``path``: rank 0 writes
+    ``path``, rank ``r`` writes ``path + ".rank<r>"``. Returns the path this process wrote.
+
+    >>> import tempfile, torch, torchrepro
+    >>> model = torch.nn.Linear(2, 1)
+    >>> d = tempfile.mkdtemp()
+    >>> path = torchrepro.save_checkpoint(f"{d}/step-10.pt", model=model, step=10)
+    >>> torchrepro.load_checkpoint(path, model=model)
+    {'step': 10}
+    """
+    from torchrepro.rng import RngState
+
+    target = Path(path)
+    if target.name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(target.name):
+        raise ValueError(
+            f"Checkpoint name {target.name!r} ends like a temporary or per-rank file "
+            f"({_io.TMP_SUFFIX!r}, '.rank<N>'), which latest_checkpoint skips; choose another name."
+        )
+    if not objects:
+        raise ValueError("save_checkpoint needs at least one object, e.g. save_checkpoint(path, model=model)")
+    rank, world_size = _distributed()
+
+    entries: dict[str, dict[str, Any]] = {}
+    generators: dict[str, Any] = {}
+    for name, obj in objects.items():
+        kind = _kind_of(name, obj)
+        if kind == "generator":
+            generators[name] = obj
+            entries[name] = {"kind": kind, "state": None, "digest": ""}
+            continue
+        state = obj if kind == "value" else obj.state_dict()
+        _check_loadable(state, name)
+        entries[name] = {"kind": kind, "state": state, "digest": _digest(state, name)}
+
+    try:
+        rng = RngState.capture(generators=generators).to_dict()
+    except ReproError as e:
+        raise CheckpointError(f"Cannot save {target}: the RNG state cannot be captured: {e}") from None
+    _check_loadable(rng, "RNG state")
+    saved_at_ns, sequence = _clock.tick()
+    payload = {
+        _MARKER: FORMAT_VERSION,
+        "meta": {
+            "saved_at_ns": saved_at_ns,
+            "sequence": sequence,
+            "rank": rank,
+            "world_size": world_size,
+            "names": list(entries),
+        },
+        "env": _environment(rank, world_size),
+        "objects": entries,
+        "rng": {"state": rng, "digest": _digest(rng, "RNG state")},
+    }
+    _check_loadable(payload["env"], "environment record")
+    out = _rank_path(target, rank)
+    with _io.atomic_open(out, "wb") as f:
+        torch.save(payload, f)
+    _clock.observe(saved_at_ns, sequence)
+    return str(out)
+
+
+def _digest(state: Any, name: str) -> str:
+    try:
+        return fingerprint(state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"Cannot fingerprint the state of {name!r} for verification: {e}") from None
+
+
+# --------------------------------------------------------------------------- read and validate
+
+
+def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"No checkpoint file at {path}.") from None
+    if size == 0:
+        raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != _ZIP_MAGIC:
+        raise CheckpointError(
+            f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
+            "a checkpoint written by torchrepro.save_checkpoint."
+        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except Exception as e:
+        raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(e)}") from None
+    _validate(payload, path)
+    return payload  # type: ignore[no-any-return]
+
+
+def _describe_load_error(e: Exception) -> str:
+    text = str(e)
+    if "central directory" in text or "zip archive" in text or "file not found" in text.lower():
+        return (
+            "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
+            "writer that is not atomic). Delete it and resume from an earlier checkpoint."
+        )
+    if "Weights only load failed" in text:
+        return (
+            "it contains pickled Python objects that torch.load(weights_only=True) refuses; "
+            "torchrepro never writes those, so it was not written by torchrepro.save_checkpoint."
+        )
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return f"it is corrupt ({type(e).__name__}: {first[:200]})."
+
+
+def _validate(payload: Any, path: Path) -> None:
+    if not isinstance(payload, dict) or _MARKER not in payload:
+        raise CheckpointError(
+            f"{path} is a torch file but not a torchrepro checkpoint (no {_MARKER!r} marker); "
+            "was it written with plain torch.save? Load it with torch.load instead."
+        )
+    version = payload[_MARKER]
+    if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        raise CheckpointError(
+            f"Checkpoint {path} has format version {version!r}; this torchrepro reads versions 1 to "
+            f"{FORMAT_VERSION}. Upgrade torchrepro to read it."
+        )
+    meta, objects, rng = payload.get("meta"), payload.get("objects"), payload.get("rng")
+    problems = []
+    if not isinstance(meta, dict) or not all(
+        isinstance(meta.get(k), int) for k in ("saved_at_ns", "sequence", "rank", "world_size")
+    ):
+        problems.append("'meta' is missing or incomplete")
+    if not isinstance(objects, dict) or not all(
+        isinstance(e, dict)
+        and e.get("kind") in _KIND_WORDS
+        and isinstance(e.get("digest"), str)
+        and "state" in e
+        for e in objects.values()
+    ):
+        problems.append("'objects' is missing or malformed")
+    if (
+        not isinstance(rng, dict)
+        or not isinstance(rng.get("state"), dict)
+        or not isinstance(rng.get("digest"), str)
+    ):
+        problems.append("'rng' is missing or malformed")
+    if not isinstance(payload.get("env"), dict):
+        problems.append("'env' is missing")
+    if problems:
+        raise CheckpointError(f"Checkpoint {path} is malformed: {'; '.join(problems)}.")
+
+
+def _valid_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and entry.get("kind") in _KIND_WORDS
+        and isinstance(entry.get("digest"), str)
+        and "state" in entry
+    )
+
+
+def _verify(payload: Mapping[str, Any], path: Path, names: Any = None) -> None:
+    """Check the stored states against their stored fingerprints (detects corrupt bytes)."""
+    objects = payload["objects"]
+    for name in objects if names is None else names:
+        entry = objects[name]
+        if entry["kind"] != "generator" and _digest(entry["state"], name) != entry["digest"]:
+            raise CheckpointError(
+                f"Checkpoint {path} is corrupt: the stored state of {name!r} does not match its "
+                "fingerprint. Resume from an earlier checkpoint."
+            )
+    if _digest(payload["rng"]["state"], "RNG state") != payload["rng"]["digest"]:
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupt: the stored RNG state does not match its fingerprint. "
+            "Resume from an earlier checkpoint."
+        )
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    /,
+    *,
+    map_location: Any = "cpu",
+    restore_rng: bool = True,
+    verify: bool = True,
+    **objects: Any,
+) -> dict[str, Any]:
+    """Restore the named ``objects`` in place from ``path``, the RNG state last; return plain values.
+
+    Objects are restored in the order modules, optimizers, schedulers, scalers, other stateful
+    objects, loaders, generators; then the global RNG state (Python, NumPy, torch CPU, every
+    initialised CUDA device) is restored, so the next random draw is the one the saved run made.
+    Returns every plain value in the file (e.g. ``{"step": 30}``). With ``verify`` (default)
+    each restored object's state is fingerprinted and compared with the saved fingerprint.
+    ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
+
+    Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
+    present), kind mismatches, corrupt or truncated files, restores that do not reproduce the
+    saved state, a different world size. Warns (``ReproWarning``) when the checkpoint was saved
+    in a different environment (torch version, devices, determinism switches, threads).
+    """
+    from torchrepro.rng import RngState
+
+    base = Path(path)
+    rank, world_size = _distributed()
+    file = _rank_path(base, rank)
+    if rank > 0 and not file.exists() and base.exists():
+        raise CheckpointError(
+            f"Rank {rank} has no checkpoint file {file} beside {base}: every rank must call "
+            "save_checkpoint(path, ...) with the same path (each saves its own RNG state)."
+        )
+    payload = _read(file, map_location=map_location)
+    meta, entries = payload["meta"], payload["objects"]
+    if meta["world_size"] != world_size:
+        raise CheckpointError(
+            f"Checkpoint {file} was saved by a run with world size {meta['world_size']}; this run has "
+            f"world size {world_size}. Each rank's RNG state is saved per rank, so resume with the same "
+            f"number of processes (e.g. torchrun --nproc-per-node {meta['world_size']})."
+        )
+
+    for name, obj in objects.items():
+        if name not in entries:
+            held = ", ".join(sorted(entries)) or "nothing"
+            raise CheckpointError(f"Checkpoint {file} has no object {name!r}; it holds: {held}.")
+        kind, saved_kind = _kind_of(name, obj), entries[name]["kind"]
+        if kind == "value":
+            raise TypeError(
+                f"{name!r} is a plain value: load_checkpoint returns plain values "
+                f"(result[{name!r}]) instead of restoring them in place; do not pass it."
+            )
+        if kind != saved_kind:
+            raise CheckpointError(
+                f"Checkpoint {file} holds {_KIND_WORDS[saved_kind]} under {name!r}, but "
+                f"{_KIND_WORDS[kind]} ({type(obj).__qualname__}) was given to restore into."
+            )
+    generators = {n: o for n, o in objects.items() if entries[n]["kind"] == "generator"}
+    if generators and not restore_rng:
+        raise ValueError(
+            f"Generators {sorted(generators)} are restored with the RNG state; drop restore_rng=False."
+        )
+
+    diffs = _env_differences(payload["env"], _environment(rank, world_size))
+    if diffs:
+        warn_once(
+            "checkpoint-env:" + "|".join(diffs),
+            f"Checkpoint {file} was saved in a different environment, so the resumed run may not "
+            f"match the original bit for bit: {'; '.join(diffs)}.",
+            ReproWarning,
+            stacklevel=2,
+        )
+
+    ordered = sorted(objects, key=lambda n: _RESTORE_ORDER.index(entries[n]["kind"]))
+    for name in ordered:
+        if entries[name]["kind"] != "generator":
+            _restore_one(file, name, objects[name], entries[name]["state"])
+    if verify:
+        for name in ordered:
+            entry = entries[name]
+            if entry["kind"] != "generator" and _digest(objects[name].state_dict(), name) != entry["digest"]:
+                raise CheckpointError(
+                    f"Restoring {name!r} from {file} did not reproduce the saved state (its fingerprint "
+                    "differs): the file is corrupt, or the object cannot hold the saved values exactly "
+                    "(different dtype, fewer entries, a load_state_dict that drops or converts "
+                    "values). Restore into an object built like the one that was saved."
+                )
+        values = [n for n, e in entries.items() if e["kind"] == "value"]
+        _verify(payload, file, values)
+    if restore_rng:
+        try:
+            RngState.from_dict(payload["rng"]["state"]).restore(generators=generators)
+        except ReproError as e:
+            raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
+    _clock.observe(meta["saved_at_ns"], meta["sequence"])
+    return {n: e["state"] for n, e in entries.items() if e["kind"] == "value"}
+
+
+def _restore_one(file: Path, name: str, obj: Any, state: Any) -> None:
+    try:
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(state, strict=True)
+        else:
+            obj.load_state_dict(state)
+    except ReproError as e:
+        raise CheckpointError(f"Cannot restore {name!r} from {file}: {e}") from None
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        detail = " ".join(str(e).split())[:600]
+        raise CheckpointError(
+            f"Cannot restore {name!r} ({type(obj).__qualname__}) from {file}: {detail}. Restore into "
+            "an object built like the one that was saved."
+        ) from None
+
+
+# --------------------------------------------------------------------------- latest
+
+
+def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True) -> str | None:
+    """The most recently saved complete checkpoint in ``directory``, or ``None`` if there is none.
+
+    "Most recent" is the save clock stored inside each file, not the filesystem mtime. Temporary
+    files of writes in progress are ignored; files named like checkpoints (``.pt``, ``.pth``,
+    ``.ckpt``, or any torch zip file) that are truncated, corrupt or incomplete (a rank's file
+    missing) are skipped with a ``ReproWarning`` naming them. With ``verify`` (default) the chosen
+    file's stored states are also checked against their fingerprints (one full read);
+    ``verify=False`` checks structure only, and ``load_checkpoint`` still verifies.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
+    rank, _ = _distributed()
+    headers: list[tuple[tuple[int, int, str], Path]] = []
+    for file in sorted(root.iterdir()):
+        if not _looks_like_checkpoint(file):
+            continue
+        try:
+            payload = _read(file, mmap=True)
+            _check_rank_files(file, payload)
+        except CheckpointError as e:
+            _skip(e)
+            continue
+        meta = payload["meta"]
+        headers.append(((meta["saved_at_ns"], meta["sequence"], file.name), file))
+    for _, file in sorted(headers, reverse=True):
+        if verify:
+            try:
+                own = _rank_path(file, rank)
+                _verify(_read(own, mmap=True), own)
+            except CheckpointError as e:
+                _skip(e)
+                continue
+        return str(file)
+    return None
+
+
+def _looks_like_checkpoint(file: Path) -> bool:
+    name = file.name
+    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name) or not file.is_file():
+        return False
+    if name.endswith(_CHECKPOINT_SUFFIXES):
+        return True
+    with contextlib.suppress(OSError), open(file, "rb") as f:
+        return f.read(4) == _ZIP_MAGIC
+    return False
+
+
+def _check_rank_files(file: Path, payload: Mapping[str, Any]) -> None:
+    meta = payload["meta"]
+    for r in range(1, meta["world_size"]):
+        if not _rank_path(file, r).is_file():
+            raise CheckpointError(
+                f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is missing."
+            )
+        other = _read(_rank_path(file, r), mmap=True)
+        if other["meta"]["sequence"] != meta["sequence"] or other["meta"]["world_size"] != meta["world_size"]:
+            raise CheckpointError(
+                f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is from "
+                "another save (different save sequence or world size)."
+            )
+
+
+def _skip(error: CheckpointError) -> None:
+    warnings.warn(f"Skipping checkpoint: {error}", ReproWarning, stacklevel=3)
