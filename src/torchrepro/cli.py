@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-seed", action="store_true", help="run as plain python would")
     p.add_argument("--vary", choices=["workers", "threads", "hashseed"], default=None)
+    p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument("--json", action="store_true")
     _add_script_args(p)
 
@@ -78,16 +79,120 @@ def _not_ready(args: argparse.Namespace) -> int:
     return EXIT_USAGE
 
 
+def _script_target(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
+    """(script, module, script args): with ``-m`` the first positional is the module's argument."""
+    script, rest = args.script, list(args.args)
+    if args.module is not None and script is not None:
+        rest.insert(0, script)
+        script = None
+    return script, args.module, rest
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    return _not_ready(args)
+    from torchrepro.launch import launch
+
+    script, module, rest = _script_target(args)
+    result = launch(
+        script,
+        rest,
+        module=module,
+        seed=args.seed,
+        mode=args.mode,
+        threads=args.threads,
+        nproc=args.nproc,
+        record_dir=args.record,
+    )
+    print(f"torchrepro run: exit code {result.returncode}; record in {result.record_dir}", file=sys.stderr)
+    return result.returncode
+
+
+def _render_divergence(d: dict[str, object]) -> str:
+    where = f"{d['kind']} at step {d['step']}" + (f", rank {d['rank']}" if d.get("rank") else "")
+    extra = [f"{k} {d[k]}" for k in ("op", "module", "location") if d.get(k)]
+    return where + (" (" + ", ".join(extra) + ")" if extra else "")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    return _not_ready(args)
+    import json
+
+    from torchrepro.check import CheckProgress, check_script
+
+    script, module, rest = _script_target(args)
+    tty = sys.stderr.isatty()
+
+    def progress(p: CheckProgress) -> None:
+        if p.phase == "locating":
+            line = "locating the first differing op..."
+        else:
+            line = "steps " + " | ".join(f"run {i + 1}: {s}" for i, s in enumerate(p.steps))
+        print(("\r" + line + "\033[K") if tty else line, file=sys.stderr, end="" if tty else "\n", flush=True)
+
+    result = check_script(
+        script,
+        rest,
+        module=module,
+        runs=args.runs,
+        steps=args.steps,
+        nproc=args.nproc,
+        seed=args.seed,
+        mode=args.mode,
+        threads=args.threads,
+        no_seed=args.no_seed,
+        vary=args.vary,
+        locate=not args.no_locate,
+        progress=progress,
+    )
+    if tty:
+        print(file=sys.stderr)
+    verdict = result.to_dict()
+    if result.error is not None:
+        print(f"torchrepro check: the script failed: {result.error}", file=sys.stderr)
+        if result.stderr_tail:
+            print(result.stderr_tail, file=sys.stderr)
+    for note in result.notes:
+        print(f"torchrepro check: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(verdict))
+    elif result.error is None:
+        if result.reproducible:
+            print(f"reproducible: {result.runs} runs identical over {result.steps_compared} optimizer steps")
+        else:
+            d = verdict["first_divergence"]
+            print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
+            print(f"  ({result.steps_compared} optimizer steps compared; records in {result.check_dir})")
+    print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
+    if result.error is not None:
+        return EXIT_USAGE
+    return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    return _not_ready(args)
+    import json
+
+    from torchrepro.compare import compare_runs
+
+    result = compare_runs(args.run_a, args.run_b)
+    data = result.to_dict()
+    if args.json:
+        print(json.dumps(data))
+    else:
+        if result.reproducible:
+            print(f"identical: {result.steps_compared} optimizer steps compared")
+        else:
+            print(f"NOT identical: first divergence: {_render_divergence(data['first_divergence'])}")
+            if result.tensor is not None:
+                t = result.tensor
+                diff = "not stored (tensor too large)" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
+                print(f"  first differing tensor: #{t.leaf} {t.dtype}{t.shape}, largest |a-b|: {diff}")
+        breaking = [d for d in data["env_differences"] if d.get("breaks")]
+        for d in data["env_differences"]:
+            mark = "!" if d.get("breaks") else " "
+            print(f" {mark} env {d.get('key')}: {d.get('a')!r} vs {d.get('b')!r}  ({d.get('reason')})")
+        if not data["env_differences"]:
+            print("  environments: no difference recorded")
+        elif breaking:
+            print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
+    return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:

@@ -1,0 +1,483 @@
+"""``torchrepro check``: run a script several times and report where the runs first part.
+
+Invariants:
+- All runs start together; every later run is compared live, event by event, against the first
+  run, and at the first divergence every process is ended (early stop): a divergence at step 5
+  of 500 costs about 5 steps, not two full runs.
+- A run that fails (non-zero exit not caused by the check) makes the check a script failure,
+  never a divergence; every process the check started is ended on return, on an exception,
+  on Ctrl-C and on SIGTERM (process trees, torchrun ranks included).
+- Each check writes only below its own fresh directory (``.torchrepro/checks/<id>/``): ``run<i>/``
+  run records, ``locate<j>/`` trace re-runs, ``verdict.json``.
+- A ``compute`` divergence at step k is located (op, module, line) by re-running both sides
+  with op tracing for step k only; locating is best effort and never fails the check.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any
+
+from torchrepro._io import atomic_write_json
+from torchrepro.compare import Divergence, EventTail, RankCursor, steps_compared
+from torchrepro.launch import (
+    build_command,
+    check_target,
+    child_env,
+    kill_tree,
+    new_run_dir,
+    python_hash_seed,
+    terminate_on_signals,
+    write_run_files,
+)
+from torchrepro.record import events_path
+
+__all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
+
+VARY_CHOICES = ("workers", "threads", "hashseed")
+"""What ``--vary`` can change in later runs."""
+
+LOCATE_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class CheckProgress:
+    """A progress report: optimizer steps each run has completed (on rank 0), and the phase."""
+
+    phase: str
+    steps: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict of a check.
+
+    ``reproducible`` is None when a run failed (``error`` says how, ``stderr_tail`` shows the
+    end of its output); ``notes`` say what locating did or could not do.
+    """
+
+    reproducible: bool | None
+    runs: int
+    steps_compared: int
+    first_divergence: Divergence | None
+    check_dir: str
+    error: str | None = None
+    returncode: int | None = None
+    stderr_tail: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``check --json`` object (with ``error`` added only when a run failed)."""
+        d: dict[str, Any] = {
+            "reproducible": self.reproducible,
+            "runs": self.runs,
+            "steps_compared": self.steps_compared,
+            "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
+        }
+        if self.error is not None:
+            d["error"] = self.error
+        return d
+
+
+@dataclass
+class _Run:
+    index: int
+    record_dir: Path
+    command: list[str]
+    env: dict[str, str]
+    ranks: int
+    proc: subprocess.Popen[bytes] | None = None
+    tails: list[EventTail] = field(default_factory=list)
+    stdout: IO[bytes] | None = None
+    stderr: IO[bytes] | None = None
+    returncode: int | None = None
+
+    def start(self) -> None:
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout = open(self.record_dir / "stdout.log", "wb")  # noqa: SIM115
+        self.stderr = open(self.record_dir / "stderr.log", "wb")  # noqa: SIM115
+        self.tails = [EventTail(events_path(self.record_dir, r)) for r in range(self.ranks)]
+        self.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            start_new_session=True,
+        )
+
+    def poll(self) -> bool:
+        """Read new events; True once the process has exited (events then complete)."""
+        assert self.proc is not None
+        if self.returncode is None:
+            self.returncode = self.proc.poll()
+        for tail in self.tails:
+            tail.poll()
+        return self.returncode is not None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        elif self.proc is not None:
+            kill_tree(self.proc.pid)  # leftovers, e.g. DataLoader workers of a finished rank
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+
+    def steps_done(self) -> int:
+        if not self.tails:
+            return 0
+        return sum(1 for e in self.tails[0].events if e["kind"] == "compute" and e["key"] == "optimizer0")
+
+    def stderr_tail(self, lines: int = 25) -> str:
+        try:
+            text = (self.record_dir / "stderr.log").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        rows = text.rstrip().splitlines()
+        start = max(0, len(rows) - lines)
+        for i in range(len(rows) - 1, -1, -1):  # show the whole last traceback when it fits
+            if rows[i].startswith("Traceback ("):
+                if len(rows) - i <= 60:
+                    start = min(start, i)
+                break
+        return "\n".join(rows[start:])
+
+
+def _vary_settings(
+    vary: str | None, index: int, *, seed: int, threads: int | None
+) -> tuple[int | None, int | None, dict[str, str]]:
+    """(threads, hash_seed, extra env) of run ``index`` under ``--vary``."""
+    if vary is None:
+        return threads, None, {}
+    if vary == "threads":
+        first = threads or 1
+        return (first if index == 0 else (2 if first == 1 else 1)), None, {}
+    if vary == "hashseed":
+        return threads, python_hash_seed(seed, "vary", index), {}
+    if vary == "workers":
+        return threads, None, ({"TORCHREPRO_NUM_WORKERS": "other"} if index > 0 else {})
+    raise ValueError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
+
+
+def _make_run(
+    index: int,
+    record_dir: Path,
+    command: list[str],
+    *,
+    seed: int,
+    mode: str,
+    threads: int | None,
+    no_seed: bool,
+    vary: str | None,
+    steps: int | None,
+    ranks: int,
+    extra: dict[str, str] | None = None,
+) -> _Run:
+    run_threads, hash_seed, vary_env = _vary_settings(vary, index, seed=seed, threads=threads)
+    env_extra = dict(vary_env)
+    if steps is not None:
+        env_extra["TORCHREPRO_MAX_STEPS"] = str(steps)
+    env_extra.update(extra or {})
+    env = child_env(
+        seed=None if no_seed else seed,
+        mode=mode,
+        threads=run_threads,
+        record_dir=record_dir.resolve(),
+        hash_seed=hash_seed,
+        extra=env_extra,
+    )
+    return _Run(index=index, record_dir=record_dir, command=command, env=env, ranks=ranks)
+
+
+def _watch(
+    runs: list[_Run],
+    *,
+    progress: Callable[[CheckProgress], None] | None,
+    poll_interval: float,
+    stop_early: bool = True,
+) -> tuple[list[tuple[int, Divergence]], list[RankCursor], _Run | None]:
+    """Start the runs, compare live; return (divergences, cursors, failed run or None)."""
+    for run in runs:
+        run.start()
+    first = runs[0]
+    cursors: dict[tuple[int, int], RankCursor] = {}
+    for run in runs[1:]:
+        for r in range(run.ranks):
+            cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+    found: dict[tuple[int, int], Divergence] = {}
+    last_steps: tuple[int, ...] = ()
+    failed: _Run | None = None
+    while True:
+        done = [run.poll() for run in runs]
+        for run, is_done in zip(runs, done, strict=True):
+            if is_done and run.returncode != 0 and failed is None:
+                failed = run
+        if failed is not None:  # several may have failed by now: report the first in run order
+            time.sleep(poll_interval)
+            failed = next(r for r in runs if r.poll() and r.returncode != 0)
+        if failed is not None:
+            break
+        for (i, r), cursor in cursors.items():
+            d = cursor.advance(a_done=done[0], b_done=done[i])
+            if d is not None and (i, r) not in found:
+                found[(i, r)] = d
+        if found and stop_early:
+            break
+        if all(done):
+            break
+        if progress is not None:
+            steps = tuple(run.steps_done() for run in runs)
+            if steps != last_steps:
+                last_steps = steps
+                progress(CheckProgress(phase="running", steps=steps))
+        time.sleep(poll_interval)
+    for run in runs:  # events written up to the stop still count
+        run.poll()
+    for (i, r), cursor in cursors.items():
+        d = cursor.advance()
+        if d is not None and (i, r) not in found:
+            found[(i, r)] = d
+    # "first in run order": the earliest step; ties go to the earlier run, then the lower rank
+    divergences = sorted(((i, d) for (i, _), d in found.items()), key=lambda x: (x[1].step, x[0], x[1].rank))
+    return divergences, list(cursors.values()), failed
+
+
+def check_script(
+    script: str | None,
+    args: Sequence[str] = (),
+    *,
+    module: str | None = None,
+    runs: int = 2,
+    steps: int | None = None,
+    nproc: int | None = None,
+    seed: int = 0,
+    mode: str = "strict",
+    threads: int | None = None,
+    no_seed: bool = False,
+    vary: str | None = None,
+    root: str | os.PathLike[str] = ".torchrepro/checks",
+    locate: bool = True,
+    progress: Callable[[CheckProgress], None] | None = None,
+    poll_interval: float = 0.05,
+) -> CheckResult:
+    """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
+
+    Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
+    invalid options; a failing script is a ``CheckResult`` with ``error`` set.
+    """
+    if runs < 2:
+        raise ValueError(f"runs must be >= 2 to compare anything, got {runs}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if vary is not None and vary not in VARY_CHOICES:
+        raise ValueError(f"vary must be one of {VARY_CHOICES}, got {vary!r}")
+    check_target(script, module)
+    check_dir = new_run_dir(root)
+    command = build_command(script, args, module=module, nproc=nproc)
+    ranks = nproc or 1
+    settings = {
+        "seed": None if no_seed else seed,
+        "mode": None if no_seed else mode,
+        "threads": threads,
+        "nproc": nproc,
+        "steps": steps,
+        "vary": vary,
+        "script": script,
+        "module": module,
+    }
+    all_runs = [
+        _make_run(
+            i,
+            check_dir / f"run{i}",
+            command,
+            seed=seed,
+            mode=mode,
+            threads=threads,
+            no_seed=no_seed,
+            vary=vary,
+            steps=steps,
+            ranks=ranks,
+        )
+        for i in range(runs)
+    ]
+    for run in all_runs:
+        write_run_files(
+            run.record_dir,
+            command,
+            {
+                **settings,
+                "run": run.index,
+                "PYTHONHASHSEED": run.env.get("PYTHONHASHSEED"),
+                "OMP_NUM_THREADS": run.env.get("OMP_NUM_THREADS"),
+            },
+        )
+    notes: list[str] = []
+    try:
+        with terminate_on_signals():
+            divergences, cursors, failed = _watch(all_runs, progress=progress, poll_interval=poll_interval)
+    finally:
+        for run in all_runs:
+            run.stop()
+    if failed is not None:
+        result = CheckResult(
+            reproducible=None,
+            runs=runs,
+            steps_compared=steps_compared(cursors),
+            first_divergence=None,
+            check_dir=os.fspath(check_dir),
+            error=f"run {failed.index + 1} of {runs} failed with exit code {failed.returncode}",
+            returncode=failed.returncode,
+            stderr_tail=failed.stderr_tail(),
+        )
+        atomic_write_json(check_dir / "verdict.json", result.to_dict())
+        return result
+    other, first = divergences[0] if divergences else (1, None)
+    if first is not None and first.kind == "compute" and locate:
+        if progress is not None:
+            progress(CheckProgress(phase="locating", steps=()))
+        first, locate_notes = _locate(
+            first,
+            check_dir,
+            command,
+            other_index=other,
+            seed=seed,
+            mode=mode,
+            threads=threads,
+            no_seed=no_seed,
+            vary=vary,
+            ranks=ranks,
+            progress=progress,
+            poll_interval=poll_interval,
+        )
+        notes.extend(locate_notes)
+    result = CheckResult(
+        reproducible=first is None,
+        runs=runs,
+        steps_compared=steps_compared(cursors),
+        first_divergence=first,
+        check_dir=os.fspath(check_dir),
+        notes=tuple(notes),
+    )
+    atomic_write_json(check_dir / "verdict.json", {**result.to_dict(), "notes": list(notes)})
+    return result
+
+
+def _optimizer_index(key: str | None) -> int:
+    if key and key.startswith("optimizer") and key[len("optimizer") :].isdigit():
+        return int(key[len("optimizer") :])
+    return 0
+
+
+def _locate(
+    first: Divergence,
+    check_dir: Path,
+    command: list[str],
+    *,
+    other_index: int,
+    seed: int,
+    mode: str,
+    threads: int | None,
+    no_seed: bool,
+    vary: str | None,
+    ranks: int,
+    progress: Callable[[CheckProgress], None] | None,
+    poll_interval: float,
+) -> tuple[Divergence, list[str]]:
+    """Re-run both sides with op tracing at the divergent step; fill op/module/location."""
+    try:
+        from torchrepro.trace import compare_traces  # type: ignore[attr-defined]
+    except ImportError as exc:  # pragma: no cover - trace module missing
+        return first, [f"op tracing unavailable: {exc}"]
+    k = first.step
+    notes: list[str] = []
+    for attempt in range(LOCATE_ATTEMPTS):
+        base = check_dir / f"locate{attempt}"
+        sides = []
+        for side, index in (("a", 0), ("b", other_index)):
+            extra = {
+                "TORCHREPRO_TRACE_STEP": str(k),
+                "TORCHREPRO_TRACE_OUT": os.fspath((base / f"trace-{side}").resolve()),
+                "TORCHREPRO_TRACE_OPTIMIZER": str(_optimizer_index(first.key)),
+            }
+            run = _make_run(
+                index,
+                base / f"run-{side}",
+                command,
+                seed=seed,
+                mode=mode,
+                threads=threads,
+                no_seed=no_seed,
+                vary=vary,
+                steps=k + 1,
+                ranks=ranks,
+                extra=extra,
+            )
+            sides.append(run)
+        try:
+            divergences, _, failed = _watch(
+                sides, progress=None, poll_interval=poll_interval, stop_early=False
+            )
+        except Exception as exc:
+            notes.append(f"locating failed: {type(exc).__name__}: {exc}")
+            return first, notes
+        finally:
+            for run in sides:
+                run.stop()
+        if failed is not None:
+            notes.append(f"locating: the traced re-run failed with exit code {failed.returncode}")
+            return first, notes
+        traces = [(r, base / f"trace-a.rank{r}", base / f"trace-b.rank{r}") for r in range(ranks)]
+        traces = [(r, a, b) for r, a, b in traces if a.exists() and b.exists()]
+        if not traces:
+            notes.append("locating: no op trace was written (op tracing unavailable in this build)")
+            return first, notes
+        located = []
+        for r, a, b in traces:
+            try:
+                d = compare_traces(os.fspath(a), os.fspath(b))
+            except Exception as exc:
+                notes.append(
+                    f"locating: comparing the traces of rank {r} failed: {type(exc).__name__}: {exc}"
+                )
+                continue
+            if d is not None:
+                located.append((r, d))
+        if located:
+            r, d = _pick_source(located, prefer_rank=first.rank)
+            return replace(
+                first,
+                rank=r,
+                op=getattr(d, "op", None),
+                module=getattr(d, "module", None),
+                location=getattr(d, "location", None),
+            ), notes
+        same = not divergences
+        what = (
+            f"did not diverge at step {k} (intermittent nondeterminism)"
+            if same
+            else "diverged, but no op with equal inputs and different outputs was found"
+        )
+        notes.append(f"locating attempt {attempt + 1}: the traced re-runs {what}")
+    return first, notes
+
+
+def _pick_source(located: list[tuple[int, Any]], *, prefer_rank: int) -> tuple[int, Any]:
+    """Among per-rank op divergences, the source: not a collective, else the preferred rank."""
+
+    def is_collective(d: Any) -> bool:
+        op = str(getattr(d, "op", "") or "")
+        return "c10d" in op or "all_reduce" in op or "allreduce" in op
+
+    non_collective = [(r, d) for r, d in located if not is_collective(d)]
+    pool = non_collective or located
+    for r, d in pool:
+        if r == prefer_rank:
+            return r, d
+    return pool[0]

@@ -1,0 +1,312 @@
+"""The first divergence between two run records (or two live event streams).
+
+Invariants:
+- Two runs agree at an event iff their events at the same position on the same rank have the
+  same ``kind``, ``key``, ``step`` and fingerprint; the first divergence of a rank is the first
+  position where they do not (a missing event where the other run has one counts).
+- Across ranks the reported divergence is the earliest by (step, rank) among the ranks' first
+  divergences; its ``kind`` is that of the first run's event at that position.
+- Reading is incremental (``EventTail``): a live file is read up to its last complete line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrepro.errors import ReproError
+
+__all__ = [
+    "Comparison",
+    "Divergence",
+    "EventTail",
+    "RankCursor",
+    "compare_runs",
+    "first_divergence",
+    "load_run",
+]
+
+_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two runs first part: ``kind`` (init/data/compute/record), ``step``, ``rank``.
+
+    ``op``, ``module`` and ``location`` name the source operation when it was located (else
+    None); ``key`` says which optimizer, loader or recorded name the event belongs to.
+    """
+
+    step: int
+    rank: int
+    kind: str
+    op: str | None = None
+    module: str | None = None
+    location: str | None = None
+    key: str | None = None
+    index: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``first_divergence`` object of the ``check --json`` verdict."""
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "kind": self.kind,
+            "op": self.op,
+            "module": self.module,
+            "location": self.location,
+        }
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return bool(
+        a["kind"] == b["kind"] and a["key"] == b["key"] and a["step"] == b["step"] and a["fp"] == b["fp"]
+    )
+
+
+class EventTail:
+    """Reads the complete events appended to a (possibly still growing) events file."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.events: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> int:
+        """Read newly completed lines; return how many events were added."""
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self._offset:  # rewritten (the process re-executed itself)
+                    self.events.clear()
+                    self._offset = 0
+                    self._partial = b""
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        added = 0
+        for line in lines:
+            if line.strip():
+                self.events.append(json.loads(line))
+                added += 1
+        return added
+
+
+class RankCursor:
+    """Compares one rank of two runs event by event as the events arrive."""
+
+    def __init__(self, rank: int, a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+        self.rank = rank
+        self.a = a
+        self.b = b
+        self.position = 0
+        self.divergence: Divergence | None = None
+        self.max_step_compared = -1
+
+    def advance(self, *, a_done: bool = False, b_done: bool = False) -> Divergence | None:
+        """Compare every event both sides now have; with ``*_done`` a missing event diverges."""
+        while self.divergence is None:
+            i = self.position
+            has_a, has_b = i < len(self.a), i < len(self.b)
+            if has_a and has_b:
+                ea, eb = self.a[i], self.b[i]
+                if not _same(ea, eb):
+                    self.divergence = _divergence(ea, eb, self.rank, i)
+                    if ea["kind"] == "compute":
+                        self.max_step_compared = max(self.max_step_compared, ea["step"])
+                    break
+                if ea["kind"] == "compute":
+                    self.max_step_compared = max(self.max_step_compared, ea["step"])
+                self.position += 1
+            elif has_a and b_done:
+                self.divergence = _divergence(self.a[i], None, self.rank, i)
+            elif has_b and a_done:
+                self.divergence = _divergence(None, self.b[i], self.rank, i)
+            else:
+                break
+        return self.divergence
+
+
+def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, index: int) -> Divergence:
+    event = a if a is not None else b
+    assert event is not None
+    kind, step = event["kind"], event["step"]
+    # The runs did different things here: report the earlier of the two in step order.
+    different = a is not None and b is not None and (a["kind"], a["key"]) != (b["kind"], b["key"])
+    if different and b is not None and b["step"] < step:
+        kind, step, event = b["kind"], b["step"], b
+    return Divergence(step=int(step), rank=rank, kind=str(kind), key=str(event["key"]), index=index)
+
+
+def earliest(divergences: list[Divergence]) -> Divergence | None:
+    """The divergence reported across ranks: smallest (step, rank)."""
+    return min(divergences, key=lambda d: (d.step, d.rank), default=None)
+
+
+def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: int = 0) -> Divergence | None:
+    """The first divergence between two complete event lists of one rank (None: identical)."""
+    return RankCursor(rank, a, b).advance(a_done=True, b_done=True)
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A loaded run record: its directory, events per rank, environment and settings."""
+
+    path: str
+    events: dict[int, list[dict[str, Any]]]
+    env: dict[str, Any] | None
+    settings: dict[str, Any] | None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ReproError(f"cannot read {path}: {exc}; the run record is damaged") from None
+    return data if isinstance(data, dict) else None
+
+
+def load_run(path: str | os.PathLike[str]) -> RunRecord:
+    """Load a run record directory; ``ReproError`` naming it when it is not one."""
+    from torchrepro.record import read_events
+
+    root = Path(path)
+    if not root.is_dir():
+        raise ReproError(f"run record not found: {os.fspath(path)!r} is not a directory")
+    events: dict[int, list[dict[str, Any]]] = {}
+    for entry in sorted(root.iterdir()):
+        m = _EVENTS_RE.match(entry.name)
+        if m:
+            try:
+                events[int(m.group(1))] = read_events(entry)
+            except (OSError, ValueError) as exc:
+                raise ReproError(f"cannot read events file {entry}: {exc}") from None
+    if not events:
+        raise ReproError(
+            f"{os.fspath(path)!r} holds no events.rank<R>.jsonl file: not a torchrepro run record "
+            "(record one with `torchrepro run --record DIR script.py`)"
+        )
+    return RunRecord(
+        path=os.fspath(path),
+        events=events,
+        env=_read_json(root / "env.json"),
+        settings=_read_json(root / "settings.json"),
+    )
+
+
+@dataclass(frozen=True)
+class TensorDifference:
+    """The first differing tensor of a diverging event; its largest absolute difference if stored."""
+
+    leaf: int
+    shape: list[int]
+    dtype: str
+    max_abs_diff: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return {
+            "leaf": self.leaf,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "max_abs_diff": self.max_abs_diff,
+        }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The verdict of comparing two runs, with the environment differences that may explain it."""
+
+    reproducible: bool
+    steps_compared: int
+    first_divergence: Divergence | None
+    env_differences: list[Any] = field(default_factory=list)
+    tensor: TensorDifference | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``compare --json`` object: the check verdict plus ``env_differences`` and ``tensor``."""
+        return {
+            "reproducible": self.reproducible,
+            "runs": 2,
+            "steps_compared": self.steps_compared,
+            "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
+            "env_differences": [_env_diff_dict(d) for d in self.env_differences],
+            "tensor": None if self.tensor is None else self.tensor.to_dict(),
+        }
+
+
+def _env_diff_dict(d: Any) -> dict[str, Any]:
+    to_dict = getattr(d, "to_dict", None)
+    if callable(to_dict):
+        result = to_dict()
+        if isinstance(result, dict):
+            return result
+    keys = ("key", "a", "b", "breaks", "reason")
+    return {k: getattr(d, k, None) for k in keys}
+
+
+def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference | None:
+    """The first differing tensor leaf of two events, with its largest absolute difference if stored."""
+    for i, (la, lb) in enumerate(zip(a.get("t", []), b.get("t", []), strict=False)):
+        if la["fp"] == lb["fp"]:
+            continue
+        diff: float | None = None
+        va, vb = la.get("v"), lb.get("v")
+        if va is not None and vb is not None and len(va) == len(vb):
+            diffs = [abs(x - y) for x, y in zip(va, vb, strict=True) if not (math.isnan(x) and math.isnan(y))]
+            diff = max(diffs, default=0.0)
+        return TensorDifference(leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff)
+    return None
+
+
+def steps_compared(cursors: list[RankCursor]) -> int:
+    """Optimizer steps compared: the highest compute step index reached on any rank, plus one."""
+    return max((c.max_step_compared for c in cursors), default=-1) + 1
+
+
+def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> Comparison:
+    """Compare two recorded runs (say, from two machines): first divergence and env differences."""
+    a, b = load_run(run_a), load_run(run_b)
+    cursors = []
+    found = []
+    for rank in sorted(set(a.events) | set(b.events)):
+        cursor = RankCursor(rank, a.events.get(rank, []), b.events.get(rank, []))
+        cursors.append(cursor)
+        d = cursor.advance(a_done=True, b_done=True)
+        if d is not None:
+            found.append(d)
+    first = earliest(found)
+    tensor = None
+    if first is not None:
+        ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
+        if first.index < len(ea) and first.index < len(eb):
+            tensor = tensor_difference(ea[first.index], eb[first.index])
+    env_differences: list[Any] = []
+    if a.env is not None and b.env is not None and "error" not in a.env and "error" not in b.env:
+        try:
+            from torchrepro.env import Environment, diff_env
+
+            env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))  # type: ignore[attr-defined]
+        except Exception:  # an unreadable environment must not hide the verdict
+            env_differences = []
+    return Comparison(
+        reproducible=first is None,
+        steps_compared=steps_compared(cursors),
+        first_divergence=first,
+        env_differences=env_differences,
+        tensor=tensor,
+    )
