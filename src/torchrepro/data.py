@@ -1,14 +1,699 @@
-"""Placeholder: seeded data loading."""
+"""Seeded data loading: batches that depend only on (seed, epoch), never on how they are loaded.
 
-# ruff: noqa
+Invariants:
+- The order of epoch ``e`` is a pure function of ``(seed, e)``, drawn from the loader's own
+  ``torch.Generator`` seeded with ``derive_seed(seed, "order", e)``; every rank draws the same
+  permutation and takes its own shard. Nothing here draws from a global RNG.
+- Sample ``i`` of epoch ``e`` is loaded with Python ``random``, NumPy's global RNG and torch's
+  CPU RNG seeded from ``derive_seed(seed, "sample", e, i)`` (and ``sample_rng()`` keyed the same);
+  ``collate_fn`` runs seeded from ``derive_seed(seed, "batch", e, b)``. Which process or worker
+  loads a sample, and when, therefore changes nothing: batches are bitwise identical for any
+  ``num_workers``, ``persistent_workers``, ``prefetch_factor``, start method or ``pin_memory``.
+- In the main process (``num_workers=0``) the global RNG states are put back after every batch,
+  so loading never moves the training loop's RNG stream.
+- The position is the number of batches the training loop *received* in the current epoch (not
+  what workers prefetched); resuming skips by index, without loading the skipped samples.
+"""
+
 from __future__ import annotations
-from typing import Any
+
+import copy
+import hashlib
+import math
+import random
+import struct
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
+
+from torchrepro._compat import numpy_or_none, require_numpy
+from torchrepro.errors import DataLoaderStateError, ReproError
+from torchrepro.seeding import _PERSON, _encode_key, current_seed, derive_seed, validate_seed
+
+__all__ = ["LoaderConfigError", "SeededLoader", "UnsupportedDatasetError", "sample_rng"]
+
+STATE_VERSION: Final = 1
+"""Version of the dict ``SeededLoader.state_dict()`` returns."""
+
+# A sampled key: (epoch, batch index within the epoch, dataset index).
+_Key = tuple[int, int, int]
 
 
-class SeededLoader:
-    """Placeholder."""
+class LoaderConfigError(ReproError, ValueError):
+    """A ``SeededLoader`` argument conflicts with what seeded loading needs (or no seed is known)."""
+
+
+class UnsupportedDatasetError(ReproError, TypeError):
+    """The dataset cannot be loaded by ``SeededLoader`` (for example an ``IterableDataset``)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Seeds: derive_seed(seed, *prefix, *rest) from a copied hash state (the per-sample hot path).
+
+
+class _Deriver:
+    """``derive_seed(seed, *prefix, *rest)`` for a fixed prefix, at the cost of one hash copy.
+
+    Produces exactly ``derive_seed``'s value (a test checks it): the hash state after the seed,
+    the key count and the prefix keys is computed once and copied for every call.
+    """
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, seed: int, prefix: tuple[int | str, ...], n_keys: int) -> None:
+        h = hashlib.blake2b(digest_size=8, person=_PERSON)
+        h.update(seed.to_bytes(8, "little"))
+        h.update(struct.pack("<I", n_keys))
+        for key in prefix:
+            h.update(_encode_key(key))
+        self._hash = h
+
+    def __call__(self, *rest: int | str) -> int:
+        h = self._hash.copy()
+        for key in rest:
+            h.update(_encode_key(key))
+        return int.from_bytes(h.digest(), "little")
+
+
+# --------------------------------------------------------------------------------------------
+# Global RNG seeding, and the generator sample_rng() returns.
+
+_np: Any = None  # numpy, resolved on first use (it is optional)
+_np_resolved = False
+
+
+def _numpy() -> Any:
+    global _np, _np_resolved
+    if not _np_resolved:
+        _np = numpy_or_none()
+        _np_resolved = True
+    return _np
+
+
+def _seed_globals(s: int, np: Any) -> None:
+    """Seed Python, NumPy's global RNG and torch's CPU RNG from one 64-bit seed.
+
+    The cheapest call per library: ``torch.default_generator.manual_seed`` (not
+    ``torch.manual_seed``, which visits every device) and NumPy's one-word seeding. torch's
+    Mersenne Twister takes the low 32 bits, so NumPy gets the high 32 bits (the same word would
+    give both the same stream); Python's ``random`` takes all 64 bits.
+    """
+    random.seed(s)
+    if np is not None:
+        np.random.seed(s >> 32)
+    torch.default_generator.manual_seed(s)
+
+
+class _Active:
+    """What ``sample_rng()`` is keyed by right now (the sample or batch being loaded)."""
+
+    __slots__ = ("rng", "seed")
+
+    def __init__(self) -> None:
+        self.seed: int | None = None
+        self.rng: Any = None
+
+
+_active = _Active()
 
 
 def sample_rng() -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+    """The ``numpy.random.Generator`` of the sample being loaded by a ``SeededLoader``.
+
+    Call it inside your dataset's ``__getitem__``: it is ``numpy.random.default_rng(
+    derive_seed(seed, "sample", epoch, index))``, created on the first call for each sample and
+    returned again by later calls for the same sample (so two calls never repeat draws). Its
+    draws depend only on (seed, epoch, index), not on the worker that loads the sample, and never
+    repeat across samples or epochs. Inside ``collate_fn`` it is keyed by
+    ``(seed, "batch", epoch, batch_index)``. Outside a ``SeededLoader`` it raises ``ReproError``.
+
+    Unlike an RNG object made in ``__init__`` (which every worker gets a copy of), this one is
+    correct for any ``num_workers``.
+    """
+    active = _active
+    if active.seed is None:
+        raise ReproError(
+            "sample_rng() was called outside a sample being loaded by a SeededLoader; it is keyed "
+            "by (seed, epoch, index), which only exist inside the dataset's __getitem__ (or "
+            "collate_fn) while a torchrepro.SeededLoader loads it. Iterate the dataset through "
+            "SeededLoader, or create your own generator with "
+            "numpy.random.default_rng(torchrepro.derive_seed(seed, 'name'))."
+        )
+    if active.rng is None:
+        np = require_numpy("torchrepro.sample_rng()")
+        active.rng = np.random.default_rng(active.seed)
+    return active.rng
+
+
+# --------------------------------------------------------------------------------------------
+# RNG objects a dataset holds (copied into every worker): re-keyed per sample like the globals.
+
+
+def _rng_types() -> tuple[type, ...]:
+    types: list[type] = [random.Random, torch.Generator]
+    np = _numpy()
+    if np is not None:
+        types += [np.random.Generator, np.random.RandomState]
+    return tuple(types)
+
+
+_Path = tuple[str | int, ...]
+
+
+def _find_rng_objects(dataset: object, *, max_depth: int = 3, max_items: int = 64) -> tuple[_Path, ...]:
+    """Attribute paths (names, list positions) from ``dataset`` to the RNG objects it holds."""
+    rng_types = _rng_types()
+    found: list[_Path] = []
+    seen: set[int] = set()
+    skip = (str, bytes, int, float, bool, torch.Tensor, torch.nn.Module, type)
+
+    def visit(obj: object, path: _Path) -> None:
+        if id(obj) in seen or isinstance(obj, skip) or len(path) > max_depth:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, rng_types):
+            if not isinstance(obj, random.SystemRandom):
+                found.append(path)
+            return
+        if isinstance(obj, (list, tuple)):
+            for pos, item in enumerate(obj[:max_items]):
+                visit(item, (*path, pos))
+            return
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict) and type(obj).__module__ not in ("numpy", "builtins"):
+            for name, value in list(attrs.items())[:max_items]:
+                visit(value, (*path, name))
+
+    visit(dataset, ())
+    return tuple(path for path in found if path)
+
+
+def _resolve(root: object, path: _Path) -> object:
+    obj = root
+    for step in path:
+        obj = obj[step] if isinstance(step, int) else getattr(obj, step)  # type: ignore[index]
+    return obj
+
+
+def _reseed_object(obj: object, s: int, np: Any) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.manual_seed(s)
+    elif isinstance(obj, random.Random):
+        obj.seed(s)
+    elif np is not None and isinstance(obj, np.random.RandomState):
+        obj.seed(s >> 32)
+    elif np is not None and isinstance(obj, np.random.Generator):
+        bit_generator = obj.bit_generator
+        bit_generator.state = type(bit_generator)(s).state
+
+
+# --------------------------------------------------------------------------------------------
+# Order and sharding.
+
+
+class _SeededSampler(Sampler[_Key]):
+    """Yields ``(epoch, batch_index, index)`` for this rank's shard of epoch ``epoch``.
+
+    The loader sets ``epoch`` and ``start_batch`` before each pass; ``__len__`` is the full shard.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int,
+        length: int,
+        batch_size: int,
+        shuffle: bool,
+        drop_last: bool,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        super().__init__()
+        self.seed = seed
+        self.length = length
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.rank = rank
+        self.world_size = world_size
+        if drop_last and length % world_size:
+            self.num_samples = length // world_size  # drop the tail so every rank gets as many
+        else:
+            self.num_samples = math.ceil(length / world_size)  # pad with the first indices
+        self.total_size = self.num_samples * world_size
+        self.epoch = 0
+        self.start_batch = 0
+
+    def order(self, epoch: int) -> list[int]:
+        """The permutation of epoch ``epoch`` (the same on every rank), before sharding."""
+        if not self.shuffle:
+            return list(range(self.length))
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(self.seed, "order", epoch))
+        return torch.randperm(self.length, generator=generator).tolist()  # type: ignore[no-any-return]
+
+    def shard(self, epoch: int) -> list[int]:
+        """The dataset indices this rank loads in epoch ``epoch``, in order."""
+        indices = self.order(epoch)
+        if self.world_size == 1:
+            return indices
+        padding = self.total_size - len(indices)
+        if padding > 0 and indices:
+            indices += (indices * math.ceil(padding / len(indices)))[:padding]
+        return indices[self.rank : self.total_size : self.world_size]
+
+    def __iter__(self) -> Iterator[_Key]:
+        epoch, batch_size = self.epoch, self.batch_size
+        indices = self.shard(epoch)
+        for pos in range(self.start_batch * batch_size, len(indices)):
+            yield (epoch, pos // batch_size, indices[pos])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+# --------------------------------------------------------------------------------------------
+# The dataset the DataLoader machinery sees (also inside workers): seeds, loads, collates.
+
+
+class _Collated:
+    """A batch already collated by ``_SeededDataset.__getitems__`` (unwrapped by ``_SeededCollate``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _SeededCollate:
+    """The loader's ``collate_fn``: the batch was collated, seeded, by ``_SeededDataset``.
+
+    ``collate_fn`` is the user's collate function.
+    """
+
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, batch: Any) -> Any:
+        if isinstance(batch, _Collated):
+            return batch.value
+        return self.collate_fn(batch)  # called directly by user code: no key to seed with
+
+
+class _SeededDataset(Dataset[Any]):
+    """Wraps the user's dataset: ``__getitems__`` loads a batch of keys, each sample seeded.
+
+    Global RNG states are captured and put back around each batch in the main process only
+    (workers' globals belong to no one). Putting them back once per batch is equivalent to once
+    per sample for the training loop: it only observes the state between batches, and every
+    sample is reseeded before it runs, so no sample sees what the previous one left.
+    """
+
+    def __init__(self, dataset: Any, seed: int, collate_fn: Any, rng_paths: tuple[_Path, ...]) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.collate_fn = collate_fn
+        self.rng_paths = rng_paths
+        self.batched = callable(getattr(dataset, "__getitems__", None))
+        self._derivers: tuple[int, _Deriver, _Deriver, _Deriver | None] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_derivers"] = None  # hash objects do not pickle (spawn workers); rebuilt on use
+        return state
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _derivers_for(self, epoch: int) -> tuple[_Deriver, _Deriver, _Deriver | None]:
+        cached = self._derivers
+        if cached is None or cached[0] != epoch:
+            objects = _Deriver(self.seed, ("object", epoch), 4) if self.rng_paths else None
+            cached = (
+                epoch,
+                _Deriver(self.seed, ("sample", epoch), 3),
+                _Deriver(self.seed, ("batch", epoch), 3),
+                objects,
+            )
+            self._derivers = cached
+        return cached[1], cached[2], cached[3]
+
+    def __getitem__(self, key: _Key) -> Any:
+        return self.__getitems__([key]).value
+
+    def __getitems__(self, keys: Sequence[_Key]) -> _Collated:
+        np = _numpy()
+        in_main = get_worker_info() is None
+        if in_main:
+            saved = (
+                random.getstate(),
+                np.random.get_state() if np is not None else None,
+                torch.get_rng_state(),
+            )
+        active = _active
+        outer = (active.seed, active.rng)
+        try:
+            epoch, batch_index = keys[0][0], keys[0][1]
+            sample_seed, batch_seed, object_seed = self._derivers_for(epoch)
+            dataset = self.dataset
+            if self.batched:  # the dataset loads whole batches: seed per batch instead
+                s = batch_seed(batch_index)
+                _seed_globals(s, np)
+                active.seed, active.rng = s, None
+                samples = dataset.__getitems__([key[2] for key in keys])
+            else:
+                samples = []
+                for _, _, index in keys:
+                    s = sample_seed(index)
+                    _seed_globals(s, np)
+                    active.seed, active.rng = s, None
+                    if object_seed is not None:
+                        for path in self.rng_paths:
+                            _reseed_object(_resolve(dataset, path), object_seed(index, _path_key(path)), np)
+                    samples.append(dataset[index])
+            s = batch_seed(batch_index)
+            _seed_globals(s, np)
+            active.seed, active.rng = s, None
+            return _Collated(self.collate_fn(samples))
+        finally:
+            active.seed, active.rng = outer
+            if in_main:
+                random.setstate(saved[0])
+                if np is not None:
+                    np.random.set_state(saved[1])
+                torch.set_rng_state(saved[2])
+
+
+def _path_key(path: _Path) -> str:
+    return ".".join(str(step) for step in path)
+
+
+# --------------------------------------------------------------------------------------------
+# The loader.
+
+_OWNED_KWARGS = {
+    "sampler": (
+        "SeededLoader draws its own order from (seed, epoch) and must know every position to "
+        "save and resume it; a custom sampler would decide the order instead. Pass shuffle=False "
+        "for a fixed order, rank=/world_size= for distributed shards, or wrap the dataset in "
+        "torch.utils.data.Subset to load a subset."
+    ),
+    "batch_sampler": (
+        "SeededLoader builds its batches from batch_size, drop_last and its own seeded order, so "
+        "that their position can be saved and resumed; a custom batch_sampler would decide them "
+        "instead. Pass batch_size= and drop_last=, or use a plain torch DataLoader for custom "
+        "batching."
+    ),
+    "generator": (
+        "SeededLoader owns its generators: the order comes from derive_seed(seed, 'order', epoch) "
+        "and never from a generator you pass; pass seed= to choose the stream."
+    ),
+}
+
+
+def _distributed_rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None and world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if rank is None or world_size is None:
+        raise LoaderConfigError(
+            f"SeededLoader got rank={rank!r} and world_size={world_size!r}; pass both, or neither "
+            "to read them from torch.distributed when it is initialised."
+        )
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}.")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"SeededLoader needs world_size >= 1 and 0 <= rank < world_size, got rank={rank}, "
+            f"world_size={world_size}."
+        )
+    return rank, world_size
+
+
+class _SeededLoaderIter:
+    """One pass of a ``SeededLoader``: counts the batches the training loop receives."""
+
+    def __init__(self, loader: SeededLoader, inner: Iterator[Any], pass_id: object, start: int) -> None:
+        self._loader = loader
+        self._inner = inner
+        self._pass_id = pass_id
+        self._received = start
+        self._end = len(loader)
+
+    def __iter__(self) -> _SeededLoaderIter:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        self._received += 1
+        loader = self._loader
+        if loader._pass_id is self._pass_id:  # a later pass or load_state_dict took over
+            loader._batches = self._received
+        return batch
+
+    def __len__(self) -> int:
+        return max(self._end - self._received, 0)
+
+
+class SeededLoader(DataLoader[Any]):
+    """A ``torch.utils.data.DataLoader`` whose batches depend only on ``(seed, epoch)``.
+
+    - **Order**: epoch ``e`` is a permutation drawn from the loader's own generator seeded with
+      ``derive_seed(seed, "order", e)`` (never from the global RNG). With ``rank``/``world_size``
+      (read from ``torch.distributed`` when it is initialised and neither is given) every rank
+      takes its shard of the same permutation, padded with the first indices like
+      ``DistributedSampler``, or with the uneven tail dropped when ``drop_last=True``.
+    - **Epochs** advance by themselves: each new ``iter()`` is the next epoch; ``set_epoch(e)``
+      makes the next pass epoch ``e``.
+    - **Randomness**: before ``dataset[i]`` in epoch ``e``, Python ``random``, NumPy's global RNG
+      and torch's CPU RNG are seeded from ``derive_seed(seed, "sample", e, i)``, and so are the
+      RNG objects the dataset holds (``random.Random``, ``torch.Generator``,
+      ``numpy.random.Generator``/``RandomState`` attributes, which every worker would otherwise
+      copy and repeat); :func:`sample_rng` gives a NumPy generator keyed the same way.
+      ``collate_fn`` runs seeded from ``derive_seed(seed, "batch", e, batch_index)``. A dataset
+      with ``__getitems__`` loads whole batches, seeded per batch. In the main process the global
+      RNG states are put back after each batch: loading never moves the model's RNG stream.
+    - **Guarantee**: the batches of every epoch are bitwise identical for any ``num_workers``,
+      ``persistent_workers``, ``prefetch_factor``, start method and ``pin_memory``.
+    - **Resume**: :meth:`state_dict` (JSON) records the position as the batches the training loop
+      received; after :meth:`load_state_dict` the next pass continues right after them, skipping
+      by index (no skipped sample is loaded). A finished epoch resumes at the next one.
+
+    ``seed=None`` takes the seed given to ``torchrepro.seed_everything``. Other keyword arguments
+    go to ``DataLoader``, except ``sampler``, ``batch_sampler`` and ``generator`` (the loader owns
+    its order) and ``in_order=False`` (batch order would depend on worker timing). Only map-style
+    datasets (``__getitem__`` and ``__len__``) are supported.
+
+    >>> loader = SeededLoader(list(range(10)), batch_size=4, seed=0)
+    >>> [batch.tolist() for batch in loader]
+    [[4, 9, 6, 8], [1, 3, 0, 5], [2, 7]]
+    >>> loader.state_dict()["epoch"], loader.state_dict()["batches_consumed"]
+    (0, 3)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        seed: int | None = None,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise UnsupportedDatasetError(
+                f"SeededLoader supports map-style datasets (with __getitem__ and __len__), got the "
+                f"IterableDataset {type(dataset).__name__}: its order and randomness live inside "
+                "its __iter__, where they cannot be keyed by index, skipped by index on resume, or "
+                "made independent of num_workers. Use a map-style Dataset, or a plain DataLoader."
+            )
+        if not callable(getattr(dataset, "__getitem__", None)) or not callable(
+            getattr(dataset, "__len__", None)
+        ):
+            raise UnsupportedDatasetError(
+                f"SeededLoader needs a map-style dataset with __getitem__ and __len__, got "
+                f"{type(dataset).__name__}."
+            )
+        for name, why in _OWNED_KWARGS.items():
+            if dataloader_kwargs.get(name) is not None:
+                raise LoaderConfigError(f"SeededLoader does not accept {name}=. {why}")
+            dataloader_kwargs.pop(name, None)
+        if dataloader_kwargs.get("in_order", True) is not True:
+            raise LoaderConfigError(
+                "SeededLoader needs in_order=True: with in_order=False batches arrive in the order "
+                "workers finish them, so the batch order would depend on timing and num_workers."
+            )
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"SeededLoader needs batch_size to be a positive int, got {batch_size!r}; "
+                "(batch_size=None, no batching, is not supported: use batch_size=1)."
+            )
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}.")
+        if seed is None:
+            seed = current_seed()
+            if seed is None:
+                raise LoaderConfigError(
+                    "SeededLoader has no seed: pass seed=<int>, or call "
+                    "torchrepro.seed_everything(<int>) before creating the loader."
+                )
+        seed = validate_seed(seed)
+        rank, world_size = _distributed_rank_and_size(rank, world_size)
+
+        collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
+        sampler = _SeededSampler(
+            seed=seed,
+            length=len(dataset),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            rank=rank,
+            world_size=world_size,
+        )
+        # Worker base seeds (DataLoader draws one per iterator) come from this generator, reseeded
+        # per pass: iter() never draws from the global torch RNG.
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(seed, "workers", 0))
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_SeededCollate(collate_fn),
+            drop_last=drop_last,
+            generator=generator,
+            **dataloader_kwargs,
+        )
+        self._seed = seed
+        self._shuffle = shuffle
+        self._rank = rank
+        self._world_size = world_size
+        self._seeded_dataset = _SeededDataset(dataset, seed, collate_fn, _find_rng_objects(dataset))
+        self._epoch = 0
+        self._batches = 0  # batches of the current epoch the training loop received
+        self._pending = True  # the next iter() continues (epoch, batches) instead of advancing
+        self._pass_id: object = object()
+
+    # -- position ---------------------------------------------------------------------------
+
+    @property
+    def seed(self) -> int:
+        """The seed every order and sample key is derived from."""
+        return self._seed
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the current pass (or of the next one after ``set_epoch``/``load_state_dict``)."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch``, from its first batch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
+        self._epoch, self._batches, self._pending = epoch, 0, True
+        self._pass_id = object()
+
+    def __iter__(self) -> _SeededLoaderIter:  # type: ignore[override]
+        if not self._pending:
+            self._epoch, self._batches = self._epoch + 1, 0
+        self._pending = False
+        self._pass_id = pass_id = object()
+        sampler = self.sampler
+        assert isinstance(sampler, _SeededSampler)
+        sampler.epoch, sampler.start_batch = self._epoch, self._batches
+        assert self.generator is not None
+        self.generator.manual_seed(derive_seed(self._seed, "workers", self._epoch))
+        return _SeededLoaderIter(self, super().__iter__(), pass_id, self._batches)
+
+    def _get_iterator(self) -> Any:
+        # DataLoader's iterators (and workers) load from loader.dataset; hand them the seeding
+        # wrapper through a shallow copy, so that self.dataset stays the user's dataset.
+        view = copy.copy(self)
+        object.__setattr__(view, "dataset", self._seeded_dataset)
+        return DataLoader._get_iterator(view)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position as a JSON-serialisable dict: seed, epoch, batches received, sizes, version.
+
+        ``batches_consumed`` counts the batches of ``epoch`` the training loop received (batches
+        workers prefetched but did not deliver are not counted).
+        """
+        return {
+            "version": STATE_VERSION,
+            "seed": self._seed,
+            "epoch": self._epoch,
+            "batches_consumed": self._batches,
+            "num_batches": len(self),
+            "dataset_length": len(self.dataset),  # type: ignore[arg-type]
+            "batch_size": self.batch_size,
+            "drop_last": self.drop_last,
+            "shuffle": self._shuffle,
+            "rank": self._rank,
+            "world_size": self._world_size,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict``: the next pass starts right after its last received batch.
+
+        A finished epoch continues at the next epoch. The rank may differ (every rank is at the
+        same position); a different seed, dataset length, batch size, world size, ``drop_last``
+        or ``shuffle`` raises ``DataLoaderStateError`` naming the mismatch.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise DataLoaderStateError(
+                f"SeededLoader.load_state_dict expects the dict state_dict() returned, got "
+                f"{type(state_dict).__name__}."
+            )
+        version = state_dict.get("version")
+        if version != STATE_VERSION:
+            raise DataLoaderStateError(
+                f"Loader state has version {version!r}, this torchrepro reads version {STATE_VERSION}; "
+                "save it again with this version, or load it with the torchrepro that wrote it."
+            )
+        ints = ("seed", "epoch", "batches_consumed", "dataset_length", "batch_size", "world_size")
+        missing = [k for k in (*ints, "drop_last", "shuffle") if k not in state_dict]
+        if missing:
+            raise DataLoaderStateError(
+                f"Loader state is missing {', '.join(missing)}; pass the dict SeededLoader.state_dict() "
+                "returned."
+            )
+        for key in ints:
+            value = state_dict[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DataLoaderStateError(f"Loader state has {key}={value!r}; expected an int >= 0.")
+        expected = self.state_dict()
+        mismatches = [
+            f"{key}: state has {state_dict[key]!r}, this loader has {expected[key]!r}"
+            for key in ("seed", "dataset_length", "batch_size", "world_size", "drop_last", "shuffle")
+            if state_dict[key] != expected[key]
+        ]
+        if mismatches:
+            raise DataLoaderStateError(
+                "Loader state does not fit this SeededLoader ("
+                + "; ".join(mismatches)
+                + "). Create the loader with the same dataset, seed, batch_size, drop_last, shuffle "
+                "and world size as the run that saved the state."
+            )
+        batches, num_batches = state_dict["batches_consumed"], len(self)
+        if batches > num_batches:
+            raise DataLoaderStateError(
+                f"Loader state has batches_consumed={batches}, but an epoch of this loader has only "
+                f"{num_batches} batches."
+            )
+        epoch = state_dict["epoch"]
+        if batches == num_batches:  # the saved pass was finished: continue at the next epoch
+            epoch, batches = epoch + 1, 0
+        self._epoch, self._batches, self._pending = epoch, batches, True
+        self._pass_id = object()
