@@ -27,6 +27,7 @@ import re
 import sys
 import time
 import warnings
+import zipfile
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -345,14 +346,14 @@ def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[
             warnings.simplefilter("ignore")
             payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as e:
-        raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(e)}") from None
+        raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(path, e)}") from None
     _validate(payload, path)
     return payload  # type: ignore[no-any-return]
 
 
-def _describe_load_error(e: Exception) -> str:
+def _describe_load_error(path: Path, e: Exception) -> str:
     text = str(e)
-    if "central directory" in text or "zip archive" in text or "file not found" in text.lower():
+    if not zipfile.is_zipfile(path) or "central directory" in text or "zip archive" in text:
         return (
             "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
             "writer that is not atomic). Delete it and resume from an earlier checkpoint."
