@@ -24,6 +24,7 @@ import ctypes
 import dataclasses
 import hashlib
 import math
+import reprlib
 import struct
 import sys
 import threading
@@ -144,7 +145,8 @@ class _Hasher:
         if callable(state_dict) and not isinstance(obj, type):
             return self._nested(obj, path, lambda: self.digest(state_dict(), f"{path}.state_dict()"))
         raise TypeError(
-            f"fingerprint() cannot hash an object of type {_type_name(obj)} at {path}. Supported: "
+            f"fingerprint() cannot hash an object of type {_type_name(obj)} at {path} "
+            f"({reprlib.repr(obj)}). Supported: "
             "tensors, modules, optimizers and other objects with a state_dict() method, NumPy arrays, "
             "dataclasses, dicts, lists, tuples and sets of these, numbers, strings, bytes and None; "
             "convert the object to one of these first (for example a tensor or a dict)."
@@ -268,19 +270,44 @@ def _quantized_digest(t: torch.Tensor, path: str) -> bytes:
 
 
 def _dense_digest(t: torch.Tensor, header: bytes, path: str) -> bytes:
-    nbytes = t.numel() * t.element_size()
     try:
+        words = _as_integers(t)
+        nbytes = words.numel() * words.element_size()
         if nbytes <= SMALL_TENSOR_BYTES:
-            return _blake(header, b"small", _small_bytes_digest(t))
-        return _blake(header, b"words", _word_digest(t))
+            return _blake(header, b"small", _small_bytes_digest(words))
+        return _blake(header, b"words", _word_digest(words))
     except RuntimeError as exc:  # a dtype or tensor kind torch cannot view as bytes
         raise TypeError(
             f"fingerprint() cannot read the bytes of the {t.dtype} tensor at {path}: {exc}"
         ) from None
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_integers(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes, in the same row-major order, as a plain integer tensor (a view, never a copy).
+
+    Copies, concatenations and reductions then run on integer kernels, which exist for every device,
+    whatever the original dtype (complex32, float8 and ``bits`` dtypes have few kernels).
+    """
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a 1-D tensor with stride 1 (copied on its device only if it is not contiguous)."""
+    t = t.contiguous()
+    n = t.numel()
+    flat = t.reshape(-1)
+    if n and flat.stride(0) != 1:  # contiguous tensors with size-1 dims may carry odd strides
+        flat = flat.as_strided((n,), (1,))
+    return flat
+
+
 def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (valid while ``t`` lives)."""
+    """The bytes of a 1-D, stride-1 CPU tensor, without a copy (valid while ``t`` lives)."""
     if t.numel() == 0:
         return memoryview(b"")
     buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
@@ -288,10 +315,9 @@ def _host_bytes(t: torch.Tensor) -> memoryview:
 
 
 def _small_bytes_digest(t: torch.Tensor) -> bytes:
-    flat = t.reshape(-1)
+    flat = _flat(t)
     if flat.device.type != "cpu":
-        flat = flat.to("cpu")
-    flat = flat.contiguous()
+        flat = _flat(flat.to("cpu"))
     return hashlib.sha256(_host_bytes(flat)).digest()
 
 
@@ -301,7 +327,7 @@ def _byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
     Only non-contiguous tensors are copied, a bounded piece at a time, on their own device.
     """
     if t.is_contiguous():
-        flat = t.reshape(-1).view(torch.uint8)
+        flat = _flat(t).view(torch.uint8)
         for start in range(0, flat.numel(), max_bytes):
             yield flat[start : start + max_bytes]
         return
@@ -313,7 +339,7 @@ def _byte_pieces(t: torch.Tensor, max_bytes: int) -> Iterator[torch.Tensor]:
         return
     step = max(1, max_bytes // max(row_bytes, 1))
     for start in range(0, rows, step):
-        yield t[start : start + step].contiguous().reshape(-1).view(torch.uint8)
+        yield _flat(t[start : start + step]).view(torch.uint8)
 
 
 def _as_words(piece: torch.Tensor) -> torch.Tensor:
