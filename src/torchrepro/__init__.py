@@ -4,7 +4,7 @@ Importing torchrepro imports torch and the standard library only (NumPy when ins
 optional extras are imported lazily by the functions that need them.
 """
 
-from torchrepro.audit import Finding
+from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script
 from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from torchrepro.data import SeededLoader, sample_rng
 from torchrepro.env import EnvDifference, Environment, collect_env, diff_env
@@ -30,6 +30,7 @@ from torchrepro.trace import compare_traces, trace
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
     "CheckpointError",
     "DataLoaderStateError",
     "DeterminismError",
@@ -47,6 +48,8 @@ __all__ = [
     "StatusReport",
     "TraceError",
     "__version__",
+    "audit_ops",
+    "audit_script",
     "collect_env",
     "compare_traces",
     "derive_seed",

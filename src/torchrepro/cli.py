@@ -195,8 +195,44 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 
+def _render_audit(report: torchrepro.AuditReport) -> str:
+    import textwrap
+
+    steps = report.optimizer_steps
+    lines = [
+        f"torchrepro audit: {report.script} ({steps if steps is not None else '?'} optimizer step(s), "
+        f"{report.ops_recorded} ops recorded, op table for torch {report.table_release})"
+    ]
+    for f in report.findings:
+        where = "  ".join(x for x in (f.location, f.module, f.op) if x)
+        lines.append(f"{f.severity.upper():8}{f.code}  {where}")
+        lines += textwrap.wrap(f.message, 104, initial_indent=" " * 8, subsequent_indent=" " * 8)
+        lines += textwrap.wrap("fix: " + f.fix, 104, initial_indent=" " * 8, subsequent_indent=" " * 13)
+    counts = {s: sum(f.severity == s for f in report.findings) for s in ("error", "warning", "info")}
+    lines.append(f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} info")
+    return "\n".join(lines)
+
+
 def _cmd_audit(args: argparse.Namespace) -> int:
-    return _not_ready(args)
+    import json
+
+    from torchrepro.audit import audit_script
+
+    script, module, rest = _script_target(args)
+    if (script is None) == (module is None):
+        print("torchrepro audit: give a script (or -m module) to audit", file=sys.stderr)
+        return EXIT_USAGE
+    if args.steps < 1:
+        print(f"torchrepro audit: --steps must be at least 1, got {args.steps}", file=sys.stderr)
+        return EXIT_USAGE
+    target = module if module is not None else script
+    assert target is not None
+    report = audit_script(target, rest, steps=args.steps, module=module is not None)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        print(_render_audit(report))
+    return EXIT_FINDINGS if report.errors else EXIT_OK
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
