@@ -20,10 +20,12 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import CodeType, FrameType, TracebackType
 from typing import Any, Final
@@ -31,7 +33,9 @@ from typing import Any, Final
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
+from torchrepro._io import atomic_write_json
 from torchrepro.errors import TraceError
+from torchrepro.fingerprint import fingerprint, fingerprinting
 
 __all__ = ["OpDivergence", "OpEvent", "OpRecorder", "Tracer", "compare_traces", "trace"]
 
@@ -497,7 +501,7 @@ class OpRecorder(_Observer):
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES):
+        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
             return func(*args, **kwargs)
         sites = self._sites
         module, location, backward = sites.attribute(sys._getframe(1))
@@ -510,23 +514,490 @@ class OpRecorder(_Observer):
 
 
 # --------------------------------------------------------------------------------------------
-# Tracer (under construction)
+# Tracer: digests of every op's inputs and outputs (for locating a divergence)
 # --------------------------------------------------------------------------------------------
+
+_RANDOM_OPS: Final = (
+    "bernoulli",
+    "dropout",
+    "normal",
+    "uniform",
+    "rand",
+    "multinomial",
+    "exponential",
+    "geometric",
+    "log_normal",
+    "cauchy",
+    "random_",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    """What an op's schema says about its arguments (positional index or keyword name)."""
+
+    uninit: bool  # its result is uninitialised memory
+    written: frozenset[int | str]  # arguments it writes (schema ``(a!)``, plus hidden writes)
+    overwritten: frozenset[int | str]  # arguments it writes entirely without reading them
+
+
+def _op_info(func: Any) -> _OpInfo:
+    schema = func._schema
+    name = schema.name
+    written: set[int | str] = set()
+    overwritten: set[int | str] = set()
+    for i, arg in enumerate(schema.arguments):
+        key: int | str = arg.name if arg.kwarg_only else i
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.add(key)
+            if arg.is_out:
+                overwritten.add(key)
+    written.update(_HIDDEN_WRITES.get(name, ()))
+    if name in _FULL_WRITE_OPS:
+        overwritten.add(0)
+    return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, _PLAIN_SCALARS):
+        return repr(value)
+    if isinstance(value, torch.memory_format):
+        return str(value)
+    if isinstance(value, torch.Generator):
+        return "<generator>"  # its state is hidden state, like the global RNG's
+    return f"<{type(value).__name__}>"  # opaque objects (process groups, ...): repr has addresses
+
+
+def _scalar_token(parts: list[str]) -> str:
+    text = "|".join(parts)
+    if len(text) <= _SHORT_SCALARS:
+        return "s:" + text
+    return "s#" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse, nested, wrapper subclasses
+        return 0
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors keep no version counter: never reuse their digest
+        return -1
+
+
+def _digest(t: torch.Tensor) -> str:
+    try:
+        return fingerprint(t)
+    except (TypeError, ValueError):  # meta/fake tensors and other kinds without readable values
+        return f"opaque:{t.dtype}:{tuple(t.shape)}:{t.device.type}"
 
 
 class Tracer(_Observer):
-    """Placeholder: op-level digests (under construction)."""
+    """Record every aten op (forward and backward) with digests of its inputs and outputs.
+
+    ``start()`` begins tracing on this thread; ``stop()`` ends it and writes the trace to ``path``
+    (JSON, atomically) for :func:`compare_traces`. Also a context manager (see :func:`trace`).
+
+    Digests are :func:`torchrepro.fingerprint` of every tensor (exact: every byte counts), computed
+    once per tensor version and reused while the tensor is unchanged. In-place and ``out=`` writes
+    are digested after the op as outputs; results of ``empty``-like ops, and values computed from
+    them before they are overwritten, are recorded as ``uninit`` and never compared as data;
+    non-tensor arguments (Python scalars, dtypes, shapes) form one more input.
+    """
+
+    _what = "Tracer"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__()
         self.path = Path(path)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._value_index: dict[str, int] = {}
+        self._op_index: dict[str, int] = {}
+        self._site_index: dict[tuple[str | None, str | None], int] = {}
+        self._records: list[list[Any]] = []
+        self._cache: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int, str]] = {}
+        self._epochs: dict[int, int] = {}
+        self._tainted: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._prune_at = 4096
+        self._infos: dict[Any, _OpInfo] = {}
+
+    def start(self) -> None:
+        """Start tracing (raises ``TraceError`` if already started)."""
+        if self._mode is None:
+            self._reset()
+        self._start()
+
+    def stop(self) -> Path:
+        """Stop tracing, write the trace file and return its path."""
+        self._stop()
+        try:
+            self._write()
+        finally:
+            self._cache.clear()
+            self._tainted.clear()
+        return self.path
+
+    def __enter__(self) -> Tracer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __len__(self) -> int:
+        """The number of ops traced so far."""
+        return len(self._records)
+
+    # -- file -----------------------------------------------------------------------------------
+    def _write(self) -> None:
+        rank = None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():  # type: ignore[no-untyped-call]
+            rank = int(dist.get_rank())
+        doc = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "torch": torch.__version__,
+            "rank": rank,
+            "ops": list(self._op_index),
+            "sites": [list(site) for site in self._site_index],
+            "values": list(self._value_index),
+            "records": self._records,
+        }
+        try:
+            atomic_write_json(self.path, doc, indent=None)
+        except OSError as exc:
+            raise TraceError(f"Cannot write the op trace to {self.path}: {exc}.") from None
+
+    # -- digests --------------------------------------------------------------------------------
+    def _intern(self, table: dict[Any, int], key: Any) -> int:
+        index = table.get(key)
+        if index is None:
+            index = table[key] = len(table)
+        return index
+
+    def _is_tainted(self, t: torch.Tensor) -> bool:
+        ref = self._tainted.get(id(t))
+        return ref is not None and ref() is t
+
+    def _token(self, t: torch.Tensor) -> str:
+        key = id(t)
+        ref = self._tainted.get(key)
+        if ref is not None and ref() is t:
+            return _UNINIT
+        version = _version(t)
+        ptr = _storage_ptr(t)
+        epoch = self._epochs.get(ptr, 0)
+        entry = self._cache.get(key)
+        if (
+            entry is not None
+            and entry[1] == version
+            and entry[2] == ptr
+            and entry[3] == epoch
+            and version >= 0
+            and entry[0]() is t
+        ):
+            return entry[4]
+        token = _digest(t)
+        self._cache[key] = (weakref.ref(t), version, ptr, epoch, token)
+        if len(self._cache) > self._prune_at:
+            self._prune()
+        return token
+
+    def _prune(self) -> None:
+        self._cache = {k: e for k, e in self._cache.items() if e[0]() is not None}
+        self._tainted = {k: r for k, r in self._tainted.items() if r() is not None}
+        self._prune_at = max(4096, 2 * len(self._cache))
+
+    def _taint(self, t: torch.Tensor, tainted: bool) -> None:
+        if tainted:
+            self._tainted[id(t)] = weakref.ref(t)
+        elif id(t) in self._tainted:
+            del self._tainted[id(t)]
+
+    def _outputs(self, values: list[Any], uninit: bool) -> list[str]:
+        tokens: list[str] = []
+        scalars: list[str] = []
+        seen: set[int] = set()
+        for v in _leaves(values):
+            if isinstance(v, torch.Tensor):
+                if id(v) not in seen:  # an in-place op returns the tensor it wrote
+                    seen.add(id(v))
+                    self._taint(v, uninit)
+                    tokens.append(_UNINIT if uninit else self._token(v))
+            else:
+                scalars.append(_scalar_text(v))
+        if scalars:
+            tokens.append(_scalar_token(scalars))
+        return tokens
+
+    # -- the op ---------------------------------------------------------------------------------
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = self._op_name(func)
+        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
+            return func(*args, **kwargs)
+        info = self._infos.get(func)
+        if info is None:
+            info = self._infos[func] = _op_info(func)
+        sites = self._sites
+        module, location, backward = sites.attribute(sys._getframe(1))
+
+        inputs: list[str] = []
+        scalars: list[str] = []
+        reads_uninit = False
+        items: list[tuple[int | str, Any]] = list(enumerate(args))
+        if kwargs:
+            items.extend(kwargs.items())
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                if key in info.overwritten:
+                    inputs.append(_OVERWRITTEN)
+                    continue
+                token = self._token(value)
+                reads_uninit = reads_uninit or token == _UNINIT
+                inputs.append(token)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        token = _OVERWRITTEN if key in info.overwritten else self._token(v)
+                        reads_uninit = reads_uninit or token == _UNINIT
+                        inputs.append(token)
+                    else:
+                        scalars.append(_scalar_text(v))
+            else:
+                scalars.append(_scalar_text(value))
+        if scalars:
+            inputs.append(_scalar_token(scalars))
+
+        out = func(*args, **kwargs)
+
+        uninit = info.uninit or reads_uninit
+        written = [
+            args[k] if isinstance(k, int) else kwargs[k] for k in info.written if _has(args, kwargs, k)
+        ]
+        for t in _leaves(written):
+            if isinstance(t, torch.Tensor):
+                ptr = _storage_ptr(t)
+                self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
+        outputs = self._outputs([out, *written], uninit)
+
+        vi = self._value_index
+        self._records.append(
+            [
+                self._intern(self._op_index, name),
+                self._intern(self._site_index, (module, location)),
+                1 if backward else 0,
+                [self._intern(vi, tok) for tok in inputs],
+                [self._intern(vi, tok) for tok in outputs],
+            ]
+        )
+        if not backward or torch.is_grad_enabled():
+            sites.remember(out, (module, location))
+        return out
+
+
+def _has(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> bool:
+    return key < len(args) if isinstance(key, int) else key in kwargs
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif value is not None:
+        yield value
 
 
 def trace(path: str | os.PathLike[str]) -> Tracer:
-    """Placeholder: ``with torchrepro.trace(path):`` (under construction)."""
-    raise NotImplementedError("under construction")
+    """Trace every aten op run inside ``with trace(path):`` and write the trace to ``path``.
+
+    Two traces of the same code (two processes, two seeds, two machines) are compared with
+    :func:`compare_traces`, which names the first op whose output differs.
+
+    >>> import os, tempfile, torch
+    >>> import torchrepro
+    >>> d = tempfile.mkdtemp()
+    >>> def step(factor):
+    ...     x = torch.arange(4.0)
+    ...     return (x * 2).sum() * factor
+    >>> with torchrepro.trace(os.path.join(d, "a.json")):
+    ...     _ = step(1.0)
+    >>> with torchrepro.trace(os.path.join(d, "b.json")):
+    ...     _ = step(1.5)
+    >>> d = torchrepro.compare_traces(os.path.join(d, "a.json"), os.path.join(d, "b.json"))
+    >>> d.op, d.inputs_equal
+    ('aten.mul.Tensor', False)
+    """
+    return Tracer(path)
+
+
+# --------------------------------------------------------------------------------------------
+# Comparing traces
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Record:
+    op: str
+    module: str | None
+    location: str | None
+    backward: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trace:
+    path: str
+    rank: int | None
+    records: tuple[_Record, ...]
+
+
+def _load_trace(path: str | os.PathLike[str]) -> _Trace:
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise TraceError(
+            f"Op trace {where} does not exist; write one with torchrepro.trace({where!r})."
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"Op trace {where} is unreadable: {exc}.") from None
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        raise TraceError(f"{where} is not a torchrepro op trace (expected format {_FORMAT!r}).")
+    if doc.get("version") != _FORMAT_VERSION:
+        raise TraceError(
+            f"Op trace {where} has format version {doc.get('version')!r}; this torchrepro reads version "
+            f"{_FORMAT_VERSION}. Record both traces with the same torchrepro version."
+        )
+    try:
+        ops, sites, values = doc["ops"], doc["sites"], doc["values"]
+        records = tuple(
+            _Record(
+                op=ops[op],
+                module=sites[site][0],
+                location=sites[site][1],
+                backward=bool(backward),
+                inputs=tuple(values[i] for i in ins),
+                outputs=tuple(values[i] for i in outs),
+            )
+            for op, site, backward, ins, outs in doc["records"]
+        )
+        rank = doc.get("rank")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise TraceError(f"Op trace {where} is malformed ({type(exc).__name__}: {exc}).") from None
+    return _Trace(where, rank if isinstance(rank, int) else None, records)
+
+
+def _describe_input(index: int, a: str, b: str) -> str:
+    if a.startswith("s:") and b.startswith("s:"):
+        return f"its non-tensor arguments differ ({a[2:]} vs {b[2:]})"
+    if a.startswith("s") and b.startswith("s"):
+        return "its non-tensor arguments differ"
+    return f"tensor input {index} differs"
 
 
 def compare_traces(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> OpDivergence | None:
-    """Placeholder: the first op at which two traces part (under construction)."""
-    raise NotImplementedError("under construction")
+    """The first op at which traces ``a`` and ``b`` part, or ``None`` when every op matches.
+
+    Ops are aligned by their order. The first op whose outputs differ is where the difference
+    enters: every earlier op produced bitwise-equal outputs, so its inputs are equal too unless a
+    value came from outside the traced ops (a Python scalar, a tensor made from Python data, a write
+    the tracer did not see); ``inputs_equal`` and ``note`` say which. When the two runs issued
+    different ops before any output differed, that op is reported with ``structural=True``.
+    Raises ``TraceError`` for a missing or malformed file.
+    """
+    ta, tb = _load_trace(a), _load_trace(b)
+    n = min(len(ta.records), len(tb.records))
+    for i in range(n):
+        ra, rb = ta.records[i], tb.records[i]
+        if ra.op != rb.op or len(ra.inputs) != len(rb.inputs) or len(ra.outputs) != len(rb.outputs):
+            where_b = f"{rb.op} ({rb.module or 'no module'}, {rb.location or 'unknown line'})"
+            return OpDivergence(
+                op=ra.op,
+                module=ra.module,
+                location=ra.location,
+                backward=ra.backward,
+                index=i,
+                inputs_equal=ra.inputs == rb.inputs,
+                structural=True,
+                other_op=rb.op,
+                rank=ta.rank,
+                note=(
+                    f"the runs issued different ops at op {i} before any output differed: {ra.op} here, "
+                    f"{where_b} in the other run. Control flow parted in Python (a data-independent "
+                    "branch on time, process id, set or dict order, environment)."
+                ),
+            )
+        if ra.outputs != rb.outputs:
+            return _divergence(i, ra, rb, ta.rank)
+    if len(ta.records) != len(tb.records):
+        longer, shorter = (ta, tb) if len(ta.records) > len(tb.records) else (tb, ta)
+        extra = longer.records[n]
+        return OpDivergence(
+            op=extra.op,
+            module=extra.module,
+            location=extra.location,
+            backward=extra.backward,
+            index=n,
+            inputs_equal=False,
+            structural=True,
+            other_op=None,
+            rank=ta.rank,
+            note=(
+                f"{shorter.path} ends after {n} ops, all equal; {longer.path} goes on with {extra.op}. "
+                "Control flow parted in Python, or one trace was stopped early."
+            ),
+        )
+    return None
+
+
+def _divergence(i: int, ra: _Record, rb: _Record, rank: int | None) -> OpDivergence:
+    differing = [j for j, (x, y) in enumerate(zip(ra.inputs, rb.inputs, strict=True)) if x != y]
+    outs = [j for j, (x, y) in enumerate(zip(ra.outputs, rb.outputs, strict=True)) if x != y]
+    what = f"output {outs[0]}" if len(ra.outputs) > 1 else "its output"
+    if not differing:
+        cause = (
+            "it draws from a random number generator whose state differs between the runs"
+            if any(r in ra.op for r in _RANDOM_OPS)
+            else "the op is nondeterministic here, or reads state the tracer cannot see"
+        )
+        note = f"every input is bitwise equal but {what} differs: {cause}."
+    else:
+        reasons = "; ".join(_describe_input(j, ra.inputs[j], rb.inputs[j]) for j in differing[:3])
+        note = (
+            f"{what} differs and {reasons}, although every earlier op matched: the value comes from "
+            "outside the traced ops (Python data such as a process id or the time, a tensor built from "
+            "it, or a write the tracer did not see)."
+        )
+    return OpDivergence(
+        op=ra.op,
+        module=ra.module,
+        location=ra.location,
+        backward=ra.backward,
+        index=i,
+        inputs_equal=not differing,
+        rank=rank,
+        note=note,
+    )
