@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints-dev.txt requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/seed_demo.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -54,8 +54,13 @@ def _same_rng(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return a[0] == b[0] and np_same and torch.equal(a[2], b[2])
 
 
+# Written by torch itself: the first torch.use_deterministic_algorithms() call imports
+# torch._inductor.config, which sets TORCHINDUCTOR_CACHE_DIR for its compile workers.
+_ENV_SET_BY_TORCH = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    return {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_TORCH}
 
 
 @pytest.fixture

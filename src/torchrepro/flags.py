@@ -1,28 +1,512 @@
-"""Placeholder: determinism switches (owned by the foundation work)."""
+"""Determinism switches: set them by mode, snapshot and restore them, report what falls short.
 
-# ruff: noqa
+Invariants:
+- ``set_determinism``, ``DeterminismFlags.restore`` and ``reproducible`` are the only functions in
+  torchrepro that write ``os.environ`` or global torch flags; each validates before it changes
+  anything, so an error leaves every switch as it was.
+- ``DeterminismFlags.capture`` reads every switch (including ``CUBLAS_WORKSPACE_CONFIG``) and
+  ``restore`` puts back exactly what was captured, unsetting the variable if it was unset.
+- Nothing here initialises CUDA: whether CUDA has started is read with
+  ``torch.cuda.is_initialized()``.
+- ``status`` only reads; its report never calls a warn-only setup deterministic.
+
+Modes (``set_determinism``):
+- ``strict``: ``use_deterministic_algorithms(True)``, cuDNN deterministic and no benchmarking,
+  TF32 off for matmul and cuDNN, float32 matmul precision ``"highest"`` (every per-backend
+  ``fp32_precision`` back to its full-precision default), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` when
+  unset, and ``torch.utils.deterministic.fill_uninitialized_memory=True`` (PyTorch's default:
+  uninitialised memory from ``torch.empty`` and friends is filled with NaN / the largest integer,
+  so a read of it is the same in every run; see ``benchmarks/fill_uninitialized_memory.py``).
+- ``warn``: the same switches with ``warn_only=True``: ops with no deterministic kernel warn and
+  still run nondeterministically.
+- ``off``: PyTorch's defaults (``CUBLAS_WORKSPACE_CONFIG`` is left as it is).
+"""
+
 from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 
+from torchrepro import seeding
+from torchrepro.errors import DeterminismError, ReproWarning, warn_once
+from torchrepro.rng import _isolated
+from torchrepro.seeding import seed_everything, validate_seed
+
+__all__ = [
+    "CUBLAS_CONFIGS",
+    "CUBLAS_VAR",
+    "MODES",
+    "DeterminismFlags",
+    "StatusItem",
+    "StatusReport",
+    "reproducible",
+    "set_determinism",
+    "status",
+]
+
+MODES = ("strict", "warn", "off")
+"""The modes ``set_determinism`` accepts."""
+
+CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"
+CUBLAS_CONFIGS = (":4096:8", ":16:8")
+"""The values of ``CUBLAS_WORKSPACE_CONFIG`` PyTorch accepts as deterministic."""
+
+# Per-backend float32 precision switches of newer PyTorch (torch.backends.*.fp32_precision),
+# parents before children so that restoring in this order reproduces the captured tree.
+_FP32_NODES = (
+    ("generic", ()),
+    ("cuda.matmul", ("cuda", "matmul")),
+    ("cudnn", ("cudnn",)),
+    ("cudnn.conv", ("cudnn", "conv")),
+    ("cudnn.rnn", ("cudnn", "rnn")),
+    ("mkldnn", ("mkldnn",)),
+    ("mkldnn.matmul", ("mkldnn", "matmul")),
+    ("mkldnn.conv", ("mkldnn", "conv")),
+    ("mkldnn.rnn", ("mkldnn", "rnn")),
+)
+_FP32_DEFAULT = "none"  # "use the parent's precision"; at the root: full float32
+_FP32_FULL = ("none", "ieee")
+
+
+def _fp32_node(path: tuple[str, ...]) -> Any:
+    node: Any = torch.backends
+    for part in path:
+        node = getattr(node, part)
+    return node
+
+
+def _has_fp32_tree() -> bool:
+    return hasattr(torch.backends, "fp32_precision")
+
+
+def _read_fp32_tree() -> tuple[tuple[str, str], ...]:
+    if not _has_fp32_tree():
+        return ()
+    return tuple((name, str(_fp32_node(path).fp32_precision)) for name, path in _FP32_NODES)
+
+
+def _write_fp32_tree(tree: tuple[tuple[str, str], ...]) -> None:
+    paths = dict(_FP32_NODES)
+    for name, value in tree:
+        if name in paths:
+            _fp32_node(paths[name]).fp32_precision = value
+
+
+def _legacy(read: Any) -> Any:
+    """Read a legacy TF32 switch; ``None`` when torch refuses (legacy and new APIs were mixed)."""
+    try:
+        return read()
+    except RuntimeError:
+        return None
+
+
+def _fill_uninitialized_memory() -> bool:
+    return bool(torch.utils.deterministic.fill_uninitialized_memory)  # type: ignore[attr-defined]
+
+
+def _set_fill_uninitialized_memory(value: bool) -> None:
+    torch.utils.deterministic.fill_uninitialized_memory = value  # type: ignore[attr-defined]
+
+
+def _cuda_started() -> bool:
+    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True)
 class DeterminismFlags:
-    """Placeholder."""
+    """A snapshot of every determinism switch; ``restore()`` puts them all back.
+
+    ``cuda_matmul_allow_tf32``, ``cudnn_allow_tf32`` and ``float32_matmul_precision`` are ``None``
+    when PyTorch refuses to report them because its legacy and per-backend precision APIs were
+    mixed; ``fp32_precision`` holds the per-backend values (empty on PyTorch without them).
+
+    >>> flags = DeterminismFlags.capture()
+    >>> torch.backends.cudnn.benchmark = not flags.cudnn_benchmark
+    >>> flags.restore()
+    >>> DeterminismFlags.capture() == flags
+    True
+    """
+
+    deterministic_algorithms: bool
+    warn_only: bool
+    cudnn_deterministic: bool
+    cudnn_benchmark: bool
+    cuda_matmul_allow_tf32: bool | None
+    cudnn_allow_tf32: bool | None
+    float32_matmul_precision: str | None
+    fp32_precision: tuple[tuple[str, str], ...]
+    fill_uninitialized_memory: bool
+    cublas_workspace_config: str | None
+
+    @classmethod
+    def capture(cls) -> DeterminismFlags:
+        """Read every switch, including ``CUBLAS_WORKSPACE_CONFIG`` (``None`` when unset)."""
+        return cls(
+            deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+            warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
+            cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
+            cuda_matmul_allow_tf32=_legacy(lambda: bool(torch.backends.cuda.matmul.allow_tf32)),
+            cudnn_allow_tf32=_legacy(lambda: bool(torch.backends.cudnn.allow_tf32)),
+            float32_matmul_precision=_legacy(torch.get_float32_matmul_precision),
+            fp32_precision=_read_fp32_tree(),
+            fill_uninitialized_memory=_fill_uninitialized_memory(),
+            cublas_workspace_config=os.environ.get(CUBLAS_VAR),
+        )
+
+    def restore(self) -> None:
+        """Put every switch back as captured; unset ``CUBLAS_WORKSPACE_CONFIG`` if it was unset."""
+        torch.use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.warn_only)
+        torch.backends.cudnn.deterministic = self.cudnn_deterministic
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        # The legacy switches are views of the per-backend tree plus a little hidden state: set
+        # them first, then the tree. allow_tf32 for matmul is a view of the precision.
+        if self.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.float32_matmul_precision)
+        elif self.cuda_matmul_allow_tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = self.cuda_matmul_allow_tf32
+        if self.cudnn_allow_tf32 is not None:
+            torch.backends.cudnn.allow_tf32 = self.cudnn_allow_tf32
+        _write_fp32_tree(self.fp32_precision)
+        _set_fill_uninitialized_memory(self.fill_uninitialized_memory)
+        if self.cublas_workspace_config is None:
+            os.environ.pop(CUBLAS_VAR, None)
+        elif os.environ.get(CUBLAS_VAR) != self.cublas_workspace_config:
+            os.environ[CUBLAS_VAR] = self.cublas_workspace_config
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of every switch (``fp32_precision`` as a ``{backend: value}`` dict)."""
+        d = asdict(self)
+        d["fp32_precision"] = dict(self.fp32_precision)
+        return d
 
 
+def _check_mode(mode: object) -> str:
+    if not isinstance(mode, str):
+        raise TypeError(f"mode must be a str, one of {list(MODES)}; got {type(mode).__name__} {mode!r}.")
+    if mode not in MODES:
+        raise ValueError(f"Unknown determinism mode {mode!r}; use one of {list(MODES)}.")
+    return mode
+
+
+def _cublas_fix() -> str:
+    return (
+        f"set {CUBLAS_VAR}={CUBLAS_CONFIGS[0]} (or {CUBLAS_CONFIGS[1]}) in the environment before the "
+        "process starts, or start it with `torchrepro run`"
+    )
+
+
+def set_determinism(mode: str = "strict") -> DeterminismFlags:
+    """Set every determinism switch for ``mode`` and return the previous flags.
+
+    ``"strict"``: deterministic algorithms (ops with no deterministic kernel raise), cuDNN
+    deterministic, no cuDNN benchmarking, no TF32, float32 matmul precision ``"highest"``,
+    ``fill_uninitialized_memory`` on, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless a valid value
+    is already set. ``"warn"``: the same, warn-only. ``"off"``: PyTorch's defaults.
+
+    Raises ``DeterminismError`` in strict mode (warns in warn mode) when
+    ``CUBLAS_WORKSPACE_CONFIG`` holds a value PyTorch does not accept, or is unset while CUDA has
+    already started (cuBLAS reads it once, at start). Call ``.restore()`` on the result to undo.
+
+    >>> previous = set_determinism("strict")
+    >>> torch.are_deterministic_algorithms_enabled()
+    True
+    >>> previous.restore()
+    """
+    mode = _check_mode(mode)
+    previous = DeterminismFlags.capture()
+    set_cublas: str | None = None
+    if mode != "off":
+        set_cublas = _plan_cublas(mode, previous.cublas_workspace_config)
+    # Nothing has been changed above this line.
+    if mode == "off":
+        torch.use_deterministic_algorithms(False)
+    else:
+        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+    torch.backends.cudnn.deterministic = mode != "off"
+    torch.backends.cudnn.benchmark = False
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cudnn_tf32 = mode == "off"  # PyTorch's default allows TF32 in cuDNN convolutions
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    if _has_fp32_tree():
+        tree = tuple(
+            (name, "tf32" if cudnn_tf32 and name in ("cudnn.conv", "cudnn.rnn") else _FP32_DEFAULT)
+            for name, _ in _FP32_NODES
+        )
+        _write_fp32_tree(tree)
+    _set_fill_uninitialized_memory(True)
+    if set_cublas is not None:
+        os.environ[CUBLAS_VAR] = set_cublas
+    return previous
+
+
+def _plan_cublas(mode: str, current: str | None) -> str | None:
+    """Check ``CUBLAS_WORKSPACE_CONFIG``; return the value to set, or ``None`` to leave it."""
+    if current is not None:
+        if current in CUBLAS_CONFIGS:
+            return None
+        message = (
+            f"{CUBLAS_VAR}={current!r} is not a value PyTorch accepts as deterministic; "
+            f"expected {CUBLAS_CONFIGS[0]!r} or {CUBLAS_CONFIGS[1]!r}: {_cublas_fix()}."
+        )
+        if mode == "strict":
+            raise DeterminismError(message)
+        warn_once(f"cublas-invalid:{current}", message, ReproWarning, stacklevel=3)
+        return None
+    if _cuda_started():
+        message = (
+            f"CUDA is already initialised and {CUBLAS_VAR} was not set, so cuBLAS may already use a "
+            f"nondeterministic workspace: {_cublas_fix()}."
+        )
+        if mode == "strict":
+            raise DeterminismError(message)
+        warn_once("cublas-after-cuda", message + " Setting it now; it may have no effect.", stacklevel=3)
+    return CUBLAS_CONFIGS[0]
+
+
+@contextmanager
+def reproducible(seed: int | None, mode: str = "strict") -> Iterator[int]:
+    """Seed every RNG and set the determinism switches for the block; undo both on exit.
+
+    Yields the seed used (``None`` draws a fresh one, like ``seed_everything``). On exit every
+    RNG state (Python, NumPy, torch CPU and CUDA), every switch, ``CUBLAS_WORKSPACE_CONFIG`` and
+    ``torchrepro.seeding.current_seed()`` are what they were before.
+
+    >>> with reproducible(0, mode="off") as seed:
+    ...     a = torch.rand(1)
+    >>> with reproducible(seed, mode="off"):
+    ...     torch.equal(a, torch.rand(1))
+    True
+    """
+    mode = _check_mode(mode)
+    if seed is not None:
+        seed = validate_seed(seed)
+    previous_seed = seeding.current_seed()
+    with _isolated():
+        previous = set_determinism(mode)
+        try:
+            yield seed_everything(seed)
+        finally:
+            previous.restore()
+            seeding._current_seed = previous_seed
+
+
+# --- status ---
+
+JsonValue = bool | int | float | str | None
+
+
+@dataclass(frozen=True)
+class StatusItem:
+    """One determinism setting: its value, what strict mode wants, and the fix when it falls short.
+
+    ``process_start`` items (hash seed, threads, CPU capability, CUDA started) can only be fixed
+    before the interpreter or torch starts, e.g. with ``torchrepro run``.
+    """
+
+    name: str
+    value: JsonValue
+    wanted: JsonValue
+    ok: bool
+    fix: str
+    process_start: bool = False
+
+    def to_dict(self) -> dict[str, JsonValue]:
+        """JSON-able dict of the fields."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class StatusReport:
-    """Placeholder."""
+    """Every determinism switch and process-start setting, and what falls short of strict.
+
+    ``deterministic`` is True when every switch is as strict mode sets it (never under
+    warn-only); ``pinned`` when every process-start setting is fixed as well, so results also
+    hold across runs started differently. ``mode`` names the mode the switches match, or
+    ``"custom"``.
+    """
+
+    items: tuple[StatusItem, ...]
+    mode: str
+
+    @property
+    def deterministic(self) -> bool:
+        """Every runtime switch is as strict mode wants (always False under warn-only)."""
+        return all(item.ok for item in self.items if not item.process_start)
+
+    @property
+    def pinned(self) -> bool:
+        """Every process-start setting (hash seed, threads, CPU capability) is fixed."""
+        return all(item.ok for item in self.items if item.process_start)
+
+    @property
+    def shortfalls(self) -> tuple[StatusItem, ...]:
+        """The items that fall short, in report order."""
+        return tuple(item for item in self.items if not item.ok)
+
+    def __getitem__(self, name: str) -> StatusItem:
+        for item in self.items:
+            if item.name == name:
+                return item
+        raise KeyError(f"no status item {name!r}; items: {[i.name for i in self.items]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: ``mode``, ``deterministic``, ``pinned`` and every item."""
+        return {
+            "mode": self.mode,
+            "deterministic": self.deterministic,
+            "pinned": self.pinned,
+            "items": [item.to_dict() for item in self.items],
+        }
 
 
-def set_determinism(mode: str = "strict") -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+_STRICT_FIX = "call torchrepro.set_determinism('strict')"
 
 
-def reproducible(seed: int, mode: str = "strict") -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+def _switch(name: str, value: JsonValue, wanted: JsonValue, fix: str = _STRICT_FIX) -> StatusItem:
+    ok = value == wanted
+    return StatusItem(name, value, wanted, ok, "" if ok else fix)
 
 
-def status() -> Any:
-    """Placeholder."""
-    raise NotImplementedError("under construction")
+def _env_int(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _mode_of(flags: DeterminismFlags) -> str:
+    current = (
+        flags.deterministic_algorithms,
+        flags.warn_only,
+        flags.cudnn_deterministic,
+        flags.cudnn_benchmark,
+        flags.cuda_matmul_allow_tf32,
+        flags.cudnn_allow_tf32,
+        flags.float32_matmul_precision,
+    )
+    full_fp32 = all(v in _FP32_FULL for _, v in flags.fp32_precision)
+    if current == (True, False, True, False, False, False, "highest") and full_fp32:
+        return "strict"
+    if current == (True, True, True, False, False, False, "highest") and full_fp32:
+        return "warn"
+    if current[:2] == (False, False) and current[2:] == (False, False, False, True, "highest"):
+        return "off"
+    return "custom"
+
+
+def status() -> StatusReport:
+    """Report every determinism switch and process-start setting, and what falls short.
+
+    Only reads: changes nothing and never initialises CUDA. Rendering is the CLI's job.
+    """
+    flags = DeterminismFlags.capture()
+    items = [
+        _switch("deterministic_algorithms", flags.deterministic_algorithms, True),
+        _switch(
+            "warn_only",
+            flags.warn_only,
+            False,
+            _STRICT_FIX + " (warn-only reports nondeterministic ops but still runs them)",
+        ),
+        _switch("cudnn.deterministic", flags.cudnn_deterministic, True),
+        _switch("cudnn.benchmark", flags.cudnn_benchmark, False),
+        _switch("cuda.matmul.allow_tf32", flags.cuda_matmul_allow_tf32, False),
+        _switch("cudnn.allow_tf32", flags.cudnn_allow_tf32, False),
+        _switch("float32_matmul_precision", flags.float32_matmul_precision, "highest"),
+    ]
+    if flags.fp32_precision:
+        reduced = [f"{k}={v}" for k, v in flags.fp32_precision if v not in _FP32_FULL]
+        value = ", ".join(f"{k}={v}" for k, v in flags.fp32_precision)
+        items.append(
+            StatusItem(
+                "fp32_precision",
+                value,
+                "every backend none or ieee (full float32)",
+                not reduced,
+                "" if not reduced else f"{_STRICT_FIX} (reduced precision: {', '.join(reduced)})",
+            )
+        )
+    items.append(
+        _switch(
+            "fill_uninitialized_memory",
+            flags.fill_uninitialized_memory,
+            True,
+            "set torch.utils.deterministic.fill_uninitialized_memory = True",
+        )
+    )
+    cublas = flags.cublas_workspace_config
+    items.append(
+        StatusItem(
+            CUBLAS_VAR,
+            cublas,
+            " or ".join(CUBLAS_CONFIGS),
+            cublas in CUBLAS_CONFIGS,
+            "" if cublas in CUBLAS_CONFIGS else _cublas_fix(),
+        )
+    )
+    items.extend(_process_items(cublas))
+    return StatusReport(items=tuple(items), mode=_mode_of(flags))
+
+
+def _process_items(cublas: str | None) -> list[StatusItem]:
+    hash_seed = os.environ.get("PYTHONHASHSEED")
+    hash_fixed = sys.flags.hash_randomization == 0 or (hash_seed is not None and hash_seed.isdigit())
+    threads = torch.get_num_threads()
+    omp, mkl = os.environ.get("OMP_NUM_THREADS"), os.environ.get("MKL_NUM_THREADS")
+    threads_pinned = _env_int("OMP_NUM_THREADS") == threads
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    aten_isa = os.environ.get("ATEN_CPU_CAPABILITY")
+    cuda_started = _cuda_started()
+    cuda_ok = not cuda_started or cublas in CUBLAS_CONFIGS
+    return [
+        StatusItem(
+            "PYTHONHASHSEED",
+            f"PYTHONHASHSEED={hash_seed}, sys.flags.hash_randomization={sys.flags.hash_randomization}",
+            "a fixed integer set before the interpreter starts",
+            hash_fixed,
+            ""
+            if hash_fixed
+            else "start Python with PYTHONHASHSEED=0 (or use `torchrepro run`); setting it inside "
+            "the script has no effect",
+            process_start=True,
+        ),
+        StatusItem(
+            "threads",
+            f"torch={threads}, interop={torch.get_num_interop_threads()}, "
+            f"OMP_NUM_THREADS={omp}, MKL_NUM_THREADS={mkl}",
+            "OMP_NUM_THREADS set and equal to torch.get_num_threads()",
+            threads_pinned,
+            ""
+            if threads_pinned
+            else f"start the process with OMP_NUM_THREADS={threads} (or `torchrepro run --threads N`); "
+            "CPU results change with the thread count",
+            process_start=True,
+        ),
+        StatusItem(
+            "cpu_capability",
+            f"{capability} (ATEN_CPU_CAPABILITY={aten_isa})",
+            "ATEN_CPU_CAPABILITY set before torch starts",
+            aten_isa is not None,
+            ""
+            if aten_isa is not None
+            else f"start the process with ATEN_CPU_CAPABILITY={capability.lower()} (or `torchrepro run`); "
+            "CPU results change with the instruction set",
+            process_start=True,
+        ),
+        StatusItem(
+            "cuda_initialized",
+            cuda_started,
+            f"CUDA started only after {CUBLAS_VAR} is set",
+            cuda_ok,
+            "" if cuda_ok else _cublas_fix(),
+            process_start=True,
+        ),
+    ]
