@@ -67,7 +67,9 @@ def train(steps: int) -> nn.Module:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seed", type=int, default=None, help="call torchrepro.seed_everything(SEED) first")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
     parser.add_argument("--save", default=None, help="torch.save the trained state_dict to this path")

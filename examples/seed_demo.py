@@ -31,7 +31,9 @@ def fingerprint_of(proc: subprocess.Popen[str]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seed", type=int, default=123)
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
