@@ -362,7 +362,7 @@ def _sort_key(f: Finding) -> tuple[int, str, str, str]:
 
 
 def _op_message(entry: _Entry, event: _Event, uncertain: bool, ops: Sequence[str], sites: int) -> str:
-    where = " in backward (the location is the forward call that created it)" if event.backward else ""
+    where = " (recorded in backward; the location is its forward call)" if event.backward else ""
     if entry.section == "raises":
         msg = (
             f"{entry.title}{where}: no deterministic CUDA implementation. On CUDA, strict mode "

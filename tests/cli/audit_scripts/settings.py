@@ -1,0 +1,34 @@
+"""A script whose settings break reproducibility: no seed, cuDNN benchmark, TF32, warn-only
+deterministic mode, a plain DataLoader with random augmentation in two workers, and
+torch.compile without Inductor's deterministic mode (audit fixture)."""
+
+import random
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Noisy(Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = torch.full((4,), float(i))
+        if random.random() < 0.5:  # a random flip, drawn in whichever worker loads the sample
+            x = x.flip(0)
+        return x, i % 2
+
+
+torch.backends.cudnn.benchmark = True
+torch.backends.cuda.matmul.allow_tf32 = True
+torch.use_deterministic_algorithms(True, warn_only=True)
+model = nn.Linear(4, 2)
+compiled = torch.compile(model)  # never called here: the audit only needs to see the call
+loader = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for x, y in loader:
+    loss = nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
