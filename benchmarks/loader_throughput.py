@@ -1,0 +1,99 @@
+"""Claim: SeededLoader loads an augmenting image dataset at >= 0.95x a plain DataLoader.
+
+Same dataset for both (32x32x3 uint8 images; NumPy reflect-pad + random crop, random flip and
+Gaussian noise from NumPy's global RNG, as a plain PyTorch user writes it), num_workers 0 and 2,
+runs alternated in one process (order flipped every repeat) so machine load hits both alike.
+Workers are persistent and warmed up, so the figures are steady-state samples per second.
+Prints samples/s of both, and the ratio SeededLoader / DataLoader of the medians.
+
+    python benchmarks/loader_throughput.py [--samples 4096] [--batch-size 64] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchrepro
+
+
+class AugmentedImages(Dataset[tuple[torch.Tensor, int]]):
+    """CIFAR-shaped images with the usual augmentation, drawn from NumPy's global RNG."""
+
+    def __init__(self, n: int) -> None:
+        rng = np.random.default_rng(0)
+        self.images = rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+        self.labels = rng.integers(0, 10, size=n).tolist()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        padded = np.pad(self.images[index], ((4, 4), (4, 4), (0, 0)), mode="reflect")
+        y, x = np.random.randint(0, 9, size=2)
+        image = padded[y : y + 32, x : x + 32]
+        if np.random.rand() < 0.5:
+            image = image[:, ::-1]
+        out = image.astype(np.float32) * (1.0 / 255.0)
+        out += np.random.normal(0.0, 0.05, size=out.shape).astype(np.float32)
+        return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))), self.labels[index]
+
+
+def one_pass(loader: Any) -> float:
+    """Samples per second of one full pass."""
+    samples = 0
+    start = time.perf_counter()
+    for images, _ in loader:
+        samples += len(images)
+    return samples / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    dataset = AugmentedImages(args.samples)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.samples} samples, "
+        f"batch {args.batch_size}, {args.repeats} alternating repeats (median)"
+    )
+    print(f"{'num_workers':>11}  {'DataLoader':>14}  {'SeededLoader':>14}  {'ratio':>6}")
+    ratios = []
+    for num_workers in (0, 2):
+        extra: dict[str, Any] = {"persistent_workers": True} if num_workers else {}
+        plain = DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(0),
+            **extra,
+        )
+        seeded = torchrepro.SeededLoader(
+            dataset, batch_size=args.batch_size, seed=0, num_workers=num_workers, **extra
+        )
+        one_pass(plain), one_pass(seeded)  # warm up (start persistent workers, caches)
+        rates: dict[str, list[float]] = {"plain": [], "seeded": []}
+        for repeat in range(args.repeats):
+            order = [("plain", plain), ("seeded", seeded)]
+            for name, loader in order if repeat % 2 == 0 else order[::-1]:
+                rates[name].append(one_pass(loader))
+        plain_rate, seeded_rate = statistics.median(rates["plain"]), statistics.median(rates["seeded"])
+        ratio = seeded_rate / plain_rate
+        ratios.append(ratio)
+        print(f"{num_workers:>11}  {plain_rate:>10.0f} s/s  {seeded_rate:>10.0f} s/s  {ratio:>6.3f}")
+        del plain, seeded  # shut persistent workers down before the next configuration
+    print(f"target ratio >= 0.95: {'met' if min(ratios) >= 0.95 else 'NOT met'} (min {min(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()

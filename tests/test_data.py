@@ -1,0 +1,507 @@
+"""SeededLoader and sample_rng: invariance to how batches are loaded, resume, shards, errors.
+
+Every invariance claim has a negative control showing that a plain DataLoader differs.
+Datasets are tiny; worker processes are real (fork, and spawn once).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+import torchrepro
+from torchrepro import DataLoaderStateError, ReproError, SeededLoader, derive_seed, sample_rng
+from torchrepro.data import LoaderConfigError, UnsupportedDatasetError, _Deriver
+
+many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+no_accelerator = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
+
+
+# -- datasets (module level: spawn workers import them) ---------------------------------------
+
+
+class Draws(Dataset[torch.Tensor]):
+    """Sample i: [i, and one draw from every RNG a dataset may use]."""
+
+    def __init__(self, n: int = 23, *, use_sample_rng: bool = True) -> None:
+        self.n = n
+        self.use_sample_rng = use_sample_rng
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        extra = [sample_rng().random()] if self.use_sample_rng else []
+        draws = [random.random(), float(np.random.rand()), float(torch.rand(()))]
+        return torch.tensor([float(index), *draws, *extra], dtype=torch.float64)
+
+
+class HeldGenerators(Dataset[torch.Tensor]):
+    """Draws from RNG objects made in __init__: every worker gets a copy of them."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.n = n
+        self.np_rng = np.random.default_rng(0)
+        self.torch_gen = torch.Generator().manual_seed(0)
+        self.transforms = [random.Random(0)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        draws = [
+            float(self.np_rng.random()),
+            float(torch.rand((), generator=self.torch_gen)),
+            self.transforms[0].random(),
+        ]
+        return torch.tensor([float(index), *draws], dtype=torch.float64)
+
+
+class Batched(Dataset[torch.Tensor]):
+    """Loads whole batches through __getitems__."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise AssertionError("SeededLoader should call __getitems__")
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        return [torch.tensor([float(i), float(torch.rand(()))], dtype=torch.float64) for i in indices]
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+def collate_with_draw(samples: list[torch.Tensor]) -> torch.Tensor:
+    """A collate_fn that draws: its draw must be keyed by (seed, epoch, batch index)."""
+    batch = torch.stack(samples)
+    return torch.cat([batch, torch.rand(len(samples), 1, dtype=torch.float64)], dim=1)
+
+
+def passes(loader: Any, epochs: int = 2) -> list[torch.Tensor]:
+    return [batch for _ in range(epochs) for batch in loader]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def global_states() -> tuple[Any, ...]:
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def assert_same_states(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
+    assert a[0] == b[0]
+    assert a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and a[1][2:] == b[1][2:]
+    assert torch.equal(a[2], b[2])
+
+
+# -- invariance --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[torch.Tensor]:
+    return passes(SeededLoader(Draws(), batch_size=4, seed=3, collate_fn=collate_with_draw))
+
+
+LOADING_CONFIGS = [
+    pytest.param({"num_workers": 1}, id="workers1"),
+    pytest.param({"num_workers": 2}, id="workers2"),
+    pytest.param({"num_workers": 3}, id="workers3", marks=many_workers),
+    pytest.param({"num_workers": 2, "persistent_workers": True}, id="persistent"),
+    pytest.param({"num_workers": 2, "prefetch_factor": 1}, id="prefetch1"),
+    pytest.param(
+        {"num_workers": 3, "prefetch_factor": 4, "persistent_workers": True},
+        id="workers3-prefetch4-persistent",
+        marks=many_workers,
+    ),
+    pytest.param({"num_workers": 2, "pin_memory": True}, id="pin_memory", marks=no_accelerator),
+    pytest.param({"num_workers": 2, "multiprocessing_context": "fork"}, id="fork"),
+    pytest.param(
+        {"num_workers": 2, "multiprocessing_context": "spawn", "persistent_workers": True}, id="spawn"
+    ),
+]
+
+
+@pytest.mark.parametrize("config", LOADING_CONFIGS)
+def test_batches_are_identical_however_they_are_loaded(
+    reference: list[torch.Tensor], config: dict[str, Any]
+) -> None:
+    loader = SeededLoader(Draws(), batch_size=4, seed=3, collate_fn=collate_with_draw, **config)
+    assert same(passes(loader), reference)
+
+
+def test_reference_draws_never_repeat_and_epochs_differ(reference: list[torch.Tensor]) -> None:
+    epoch0, epoch1 = torch.cat(reference[:6]), torch.cat(reference[6:])
+    assert sorted(epoch0[:, 0].tolist()) == sorted(epoch1[:, 0].tolist()) == list(range(23))
+    assert not torch.equal(epoch0[:, 0], epoch1[:, 0])  # a new order every epoch
+    draws = torch.cat([epoch0, epoch1])[:, 1:]
+    for column in draws.T:  # python, numpy, torch, sample_rng, collate
+        assert len(set(column.tolist())) == len(column)
+
+
+def test_negative_control_plain_dataloader_depends_on_num_workers(rng_changes_ok: None) -> None:
+    def run(num_workers: int) -> list[torch.Tensor]:
+        torchrepro.seed_everything(3)
+        loader = DataLoader(
+            Draws(use_sample_rng=False),
+            batch_size=4,
+            shuffle=True,
+            num_workers=num_workers,
+            generator=torch.Generator().manual_seed(3),
+        )
+        return passes(loader)
+
+    a, b = run(0), run(2)
+    assert [x[:, 0].tolist() for x in a] == [x[:, 0].tolist() for x in b]  # same order...
+    assert not same(a, b)  # ...but different augmentation
+
+
+def test_rng_objects_held_by_the_dataset_are_keyed_per_sample(rng_changes_ok: None) -> None:
+    # (the plain DataLoader draws its worker base seed from the global torch RNG)
+    plain = torch.cat(list(DataLoader(HeldGenerators(), batch_size=2, num_workers=2)))
+    by_index = {int(row[0]): row[1:].tolist() for row in plain}
+    assert by_index[0] == by_index[2]  # negative control: each worker repeats the copied stream
+
+    runs = [
+        torch.cat(passes(SeededLoader(HeldGenerators(), batch_size=2, seed=1, num_workers=w))) for w in (0, 2)
+    ]
+    assert torch.equal(runs[0], runs[1])
+    for column in runs[0][:, 1:].T:
+        assert len(set(column.tolist())) == len(column)
+
+
+def test_dataset_with_getitems_is_seeded_per_batch() -> None:
+    a, b = (passes(SeededLoader(Batched(), batch_size=4, seed=0, num_workers=w)) for w in (0, 2))
+    assert same(a, b)
+    assert len({x[1].item() for batch in a for x in batch}) == 40
+
+
+# -- the training loop's RNG ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loading_never_moves_the_global_rng(num_workers: int) -> None:
+    before = global_states()
+    batches = passes(SeededLoader(Draws(), batch_size=4, seed=0, num_workers=num_workers), epochs=1)
+    assert len(batches) == 6
+    assert_same_states(before, global_states())
+
+
+def test_extra_validation_pass_does_not_shift_training(rng_changes_ok: None) -> None:
+    dropout = torch.nn.Dropout(0.5)
+
+    def train(make: Any, *, validate: bool) -> list[torch.Tensor]:
+        torchrepro.seed_everything(0)
+        train_loader, val_loader = make(Draws(12, use_sample_rng=False)), make(Draws(8, use_sample_rng=False))
+        out = []
+        for _ in range(2):
+            out += [dropout(batch) for batch in train_loader]  # the model's RNG stream
+            if validate:
+                list(val_loader)
+        return out
+
+    def seeded(ds: Dataset[torch.Tensor]) -> Any:
+        return SeededLoader(ds, batch_size=4, seed=0)
+
+    def plain(ds: Dataset[torch.Tensor]) -> Any:
+        return DataLoader(ds, batch_size=4, shuffle=True)
+
+    assert same(train(seeded, validate=False), train(seeded, validate=True))
+    assert not same(train(plain, validate=False), train(plain, validate=True))  # negative control
+
+
+# -- order, epochs, shards --------------------------------------------------------------------
+
+
+def order(loader: SeededLoader) -> list[int]:
+    return [int(i) for batch in loader for i in batch]
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch(rng_changes_ok: None) -> None:
+    a = SeededLoader(list(range(50)), batch_size=8, seed=5)
+    first = order(a)
+    torch.manual_seed(123)  # the global RNG does not matter
+    b = SeededLoader(list(range(50)), batch_size=8, seed=5)
+    assert order(b) == first
+    assert a.epoch == b.epoch == 0
+    second = order(a)  # each new pass is the next epoch
+    assert a.epoch == 1 and second != first and sorted(second) == list(range(50))
+    c = SeededLoader(list(range(50)), batch_size=8, seed=5)
+    c.set_epoch(1)
+    assert order(c) == second
+    assert order(SeededLoader(list(range(50)), batch_size=8, seed=6)) != first
+    assert order(SeededLoader(list(range(50)), batch_size=8, seed=5, shuffle=False)) == list(range(50))
+
+
+@pytest.mark.parametrize(
+    ("n", "world_size", "drop_last"), [(12, 3, False), (10, 3, False), (10, 3, True), (2, 4, False)]
+)
+def test_rank_shards_are_disjoint_and_cover_the_dataset(n: int, world_size: int, drop_last: bool) -> None:
+    for epoch in (0, 1):
+        shards = []
+        for rank in range(world_size):
+            loader = SeededLoader(
+                list(range(n)), batch_size=1, seed=0, rank=rank, world_size=world_size, drop_last=drop_last
+            )
+            loader.set_epoch(epoch)
+            shards.append(order(loader))
+        sizes = {len(s) for s in shards}
+        assert len(sizes) == 1  # every rank gets as many samples (and batches)
+        flat = [i for s in shards for i in s]
+        if drop_last:  # the uneven tail is dropped: disjoint, all but n % world_size covered
+            assert len(set(flat)) == len(flat) == n - n % world_size
+        else:  # padded with the first indices: covering, only the padding repeats
+            assert set(flat) == set(range(n))
+            assert len(flat) - len(set(flat)) == -n % world_size
+
+
+def test_rank_and_world_size_come_from_torch_distributed() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        state = SeededLoader(list(range(10)), batch_size=2, seed=0).state_dict()
+        assert (state["rank"], state["world_size"]) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+# -- per-sample keys -----------------------------------------------------------------------------
+
+
+class Keys(Dataset[torch.Tensor]):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        first, again = sample_rng(), sample_rng()
+        assert first is again  # one generator per sample: two calls never repeat draws
+        return torch.tensor([index, torch.initial_seed(), first.integers(2**62)], dtype=torch.float64).to(
+            torch.float64
+        )
+
+
+def test_sample_keys_are_derive_seed_of_seed_epoch_index() -> None:
+    loader = SeededLoader(Keys(), batch_size=3, seed=9, collate_fn=list)
+    for epoch in (0, 1):
+        for batch in loader:
+            for index, initial, drawn in (t.tolist() for t in batch):
+                key = derive_seed(9, "sample", epoch, int(index))
+                assert initial == float(key)
+                assert drawn == float(np.random.default_rng(key).integers(2**62))
+
+
+def test_collate_is_keyed_by_batch(rng_changes_ok: None) -> None:
+    batches = list(SeededLoader(Draws(8), batch_size=4, seed=2, collate_fn=collate_with_draw))
+    for b, batch in enumerate(batches):
+        torch.default_generator.manual_seed(derive_seed(2, "batch", 0, b))
+        expected = torch.rand(4, 1, dtype=torch.float64)
+        assert torch.equal(batch[:, -1:], expected)
+
+
+def test_sample_rng_outside_a_loader_raises() -> None:
+    with pytest.raises(ReproError, match="outside a sample being loaded by a SeededLoader"):
+        sample_rng()
+
+
+@settings(max_examples=50)
+@given(
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 10**6),
+    st.integers(0, 2**40),
+)
+def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
+    assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
+    assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
+        seed, "object", epoch, index, "a.0"
+    )
+
+
+# -- resume ------------------------------------------------------------------------------------
+
+
+def test_resume_in_process_continues_exactly(reference: list[torch.Tensor]) -> None:
+    """Stop and resume several times (mid-epoch, at the boundary, twice in one epoch)."""
+
+    def make(num_workers: int) -> SeededLoader:
+        return SeededLoader(
+            Draws(), batch_size=4, seed=3, collate_fn=collate_with_draw, num_workers=num_workers
+        )
+
+    got: list[torch.Tensor] = []
+    state: dict[str, Any] | None = None
+    for stop, num_workers in [((0, 2), 0), ((0, 6), 2), ((1, 1), 0), ((1, 4), 0), ((1, 6), 2)]:
+        loader = make(num_workers)
+        if state is not None:
+            loader.load_state_dict(json.loads(json.dumps(state)))
+        for batch in loader:
+            got.append(batch)
+            if (loader.epoch, loader.state_dict()["batches_consumed"]) == stop:
+                break
+        state = loader.state_dict()
+        assert (state["epoch"], state["batches_consumed"]) == stop
+    assert same(got, reference)
+
+
+class Counting(Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        self.loaded.append(index)
+        return index
+
+
+def test_resume_skips_by_index_without_loading_skipped_samples() -> None:
+    first = SeededLoader(Counting(40), batch_size=4, seed=0)
+    it = iter(first)
+    consumed = [next(it).tolist() for _ in range(7)]
+    dataset = Counting(40)
+    resumed = SeededLoader(dataset, batch_size=4, seed=0)
+    resumed.load_state_dict(first.state_dict())
+    rest = [b.tolist() for b in resumed]
+    assert dataset.loaded == [i for b in rest for i in b]  # only the remaining 12 samples
+    assert sorted(i for b in consumed + rest for i in b) == list(range(40))
+    assert len(iter(resumed)) == 10  # the next pass is a whole new epoch
+
+
+def test_position_counts_received_batches_not_prefetched() -> None:
+    loader = SeededLoader(Draws(40), batch_size=2, seed=0, num_workers=2, prefetch_factor=4)
+    it = iter(loader)
+    next(it), next(it)
+    assert loader.state_dict()["batches_consumed"] == 2
+    assert len(it) == 18
+
+
+def test_state_after_a_finished_epoch_resumes_at_the_next_epoch() -> None:
+    loader = SeededLoader(list(range(10)), batch_size=4, seed=0)
+    list(loader)
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches_consumed"], state["num_batches"]) == (0, 3, 3)
+    resumed = SeededLoader(list(range(10)), batch_size=4, seed=0)
+    resumed.load_state_dict(state)
+    assert order(resumed) == order(loader) and resumed.epoch == loader.epoch == 1
+
+
+def test_state_dict_is_json_and_round_trips() -> None:
+    loader = SeededLoader(list(range(10)), batch_size=4, seed=2**64 - 1, rank=1, world_size=2)
+    state = loader.state_dict()
+    assert json.loads(json.dumps(state)) == state
+    assert state["version"] == 1 and state["seed"] == 2**64 - 1
+    assert (state["dataset_length"], state["batch_size"], state["rank"], state["world_size"]) == (10, 4, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"dataset": list(range(11))}, "dataset_length: state has 10, this loader has 11"),
+        ({"batch_size": 5}, "batch_size: state has 4, this loader has 5"),
+        ({"world_size": 3}, "world_size: state has 2, this loader has 3"),
+        ({"seed": 1}, "seed: state has 0, this loader has 1"),
+        ({"drop_last": True}, "drop_last: state has False, this loader has True"),
+        ({"shuffle": False}, "shuffle: state has True, this loader has False"),
+    ],
+)
+def test_mismatched_state_names_the_mismatch(kwargs: dict[str, Any], named: str) -> None:
+    base = {"dataset": list(range(10)), "batch_size": 4, "seed": 0, "rank": 0, "world_size": 2}
+    state = SeededLoader(**base).state_dict()  # type: ignore[arg-type]
+    other = SeededLoader(**{**base, **kwargs})  # type: ignore[arg-type]
+    with pytest.raises(DataLoaderStateError, match=named):
+        other.load_state_dict(state)
+
+
+def test_state_from_another_rank_loads() -> None:
+    saved = SeededLoader(list(range(10)), batch_size=2, seed=0, rank=1, world_size=2)
+    it = iter(saved)
+    next(it)
+    loader = SeededLoader(list(range(10)), batch_size=2, seed=0, rank=0, world_size=2)
+    loader.load_state_dict(saved.state_dict())
+    assert len(order(loader)) == 3  # 5 samples per rank in batches of 2, 1 batch consumed
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"version": 99}, "version 99"),
+        ({"epoch": -1}, "epoch=-1"),
+        ({"batches_consumed": 4}, "batches_consumed=4, but an epoch of this loader has only 3"),
+        ({"batch_size": None}, "batch_size=None"),
+    ],
+)
+def test_malformed_state_is_rejected(change: dict[str, Any], message: str) -> None:
+    loader = SeededLoader(list(range(10)), batch_size=4, seed=0)
+    with pytest.raises(DataLoaderStateError, match=message):
+        loader.load_state_dict({**loader.state_dict(), **change})
+    with pytest.raises(DataLoaderStateError, match="missing"):
+        loader.load_state_dict({"version": 1})
+    with pytest.raises(DataLoaderStateError, match="expects the dict"):
+        loader.load_state_dict([1, 2])  # type: ignore[arg-type]
+
+
+# -- arguments ---------------------------------------------------------------------------------
+
+
+def test_is_a_dataloader_and_keeps_the_users_dataset() -> None:
+    dataset = Draws(10)
+    loader = SeededLoader(dataset, batch_size=4, seed=0, drop_last=True)
+    assert isinstance(loader, DataLoader)
+    assert loader.dataset is dataset
+    assert (loader.batch_size, loader.drop_last, len(loader), loader.seed) == (4, True, 2, 0)
+
+
+def test_seed_defaults_to_seed_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torchrepro.seeding, "_current_seed", None)
+    with pytest.raises(ReproError, match=r"pass seed=<int>, or call torchrepro.seed_everything"):
+        SeededLoader(list(range(4)), batch_size=2)
+    monkeypatch.setattr(torchrepro.seeding, "_current_seed", 7)
+    assert order(SeededLoader(list(range(9)), batch_size=2)) == order(
+        SeededLoader(list(range(9)), batch_size=2, seed=7)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"sampler": [0, 1]}, LoaderConfigError, "does not accept sampler=.*shuffle=False"),
+        ({"batch_sampler": [[0]]}, LoaderConfigError, "does not accept batch_sampler="),
+        ({"generator": torch.Generator()}, LoaderConfigError, "owns its generators"),
+        ({"in_order": False}, LoaderConfigError, "in_order=True"),
+        ({"batch_size": 0}, ValueError, "positive int, got 0"),
+        ({"batch_size": None}, ValueError, "positive int, got None"),
+        ({"shuffle": 1}, TypeError, "shuffle must be a bool"),
+        ({"rank": 0}, LoaderConfigError, "pass both"),
+        ({"rank": 2, "world_size": 2}, ValueError, "0 <= rank < world_size"),
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64 - 1\]"),
+        ({"dataset": Stream()}, UnsupportedDatasetError, "map-style datasets.*IterableDataset Stream"),
+        ({"dataset": 5}, UnsupportedDatasetError, "__getitem__ and __len__"),
+    ],
+)
+def test_bad_arguments_are_explained(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    base: dict[str, Any] = {"dataset": list(range(4)), "batch_size": 2, "seed": 0}
+    with pytest.raises(error, match=message):
+        SeededLoader(**{**base, **kwargs})
+
+
+def test_config_errors_are_repro_errors() -> None:
+    assert issubclass(LoaderConfigError, ReproError) and issubclass(LoaderConfigError, ValueError)
+    assert issubclass(UnsupportedDatasetError, ReproError) and issubclass(UnsupportedDatasetError, TypeError)
