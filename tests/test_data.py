@@ -97,7 +97,8 @@ def passes(loader: Any, epochs: int = 2) -> list[torch.Tensor]:
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+    pairs = zip(a, b, strict=False)
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
 
 
 def global_states() -> tuple[Any, ...]:
