@@ -12,8 +12,9 @@ same whether or not the run was interrupted.
 ``--stop-at N`` saves a checkpoint after step N and exits (a clean interruption).
 ``--no-restore-rng-loader`` resumes only model, optimizer and scheduler, like a naive resume
 (the negative control: its final fingerprint differs).
-Test hook: ``RESUME_CNN_SLOW_WRITE=<seconds>`` stretches each checkpoint write to about that long
-and prints ``writing <step>`` when the bytes start to flow, so a test can kill it mid-write.
+Test hook: ``RESUME_CNN_SLOW_WRITE=<seconds>`` sleeps that long after each write call of a
+checkpoint save (torch.save makes ~100 per file) and prints ``writing`` when the bytes start to
+flow, so a test can kill the process while a checkpoint is half written.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def make_model() -> nn.Module:
 
 
 def slow_writes(seconds: float) -> None:
-    """Test hook: make each checkpoint write take about ``seconds`` (so a kill can land inside it)."""
+    """Test hook: sleep ``seconds`` after every write call of a checkpoint save."""
     original = _io.atomic_open
 
     class SlowFile:
@@ -89,7 +90,7 @@ def slow_writes(seconds: float) -> None:
                 print("writing", flush=True)
             n = self.f.write(data)
             self.f.flush()
-            time.sleep(seconds / 10)
+            time.sleep(seconds)
             return n
 
         def __getattr__(self, name: str) -> Any:
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_restore_rng_loader:
             loader.set_epoch(step // STEPS_PER_EPOCH)
 
+    print(f"training from step {step}", flush=True)
     criterion = nn.CrossEntropyLoss()
     model.train()
     while step < args.steps:

@@ -29,7 +29,7 @@ import time
 import warnings
 import zipfile
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,10 @@ _RANK_FILE = re.compile(r"\.rank(\d+)$")
 
 # Kinds, in the order load_checkpoint restores them (RNG comes after all of them).
 _RESTORE_ORDER = ("module", "optimizer", "scheduler", "grad_scaler", "stateful", "loader", "generator")
+# Kinds whose stored state is verified against its fingerprint instead of the restored one: plain
+# values are not restored into anything, and a loader normalises its position on load (a finished
+# epoch becomes the start of the next one), so its restored state_dict may differ legitimately.
+_VERIFIED_AS_STORED = ("value", "loader")
 _KIND_WORDS = {
     "module": "a module (torch.nn.Module)",
     "optimizer": "an optimizer (torch.optim.Optimizer)",
@@ -414,7 +418,7 @@ def _valid_entry(entry: Any) -> bool:
     )
 
 
-def _verify(payload: Mapping[str, Any], path: Path, names: Any = None) -> None:
+def _verify(payload: Mapping[str, Any], path: Path, names: Iterable[str] | None = None) -> None:
     """Check the stored states against their stored fingerprints (detects corrupt bytes)."""
     objects = payload["objects"]
     for name in objects if names is None else names:
@@ -449,7 +453,9 @@ def load_checkpoint(
     objects, loaders, generators; then the global RNG state (Python, NumPy, torch CPU, every
     initialised CUDA device) is restored, so the next random draw is the one the saved run made.
     Returns every plain value in the file (e.g. ``{"step": 30}``). With ``verify`` (default)
-    each restored object's state is fingerprinted and compared with the saved fingerprint.
+    each restored object's state is fingerprinted and compared with the saved fingerprint
+    (loaders, plain values and the RNG state are checked as stored, before anything is restored:
+    a loader's position is normalised on load, a finished epoch becoming the next one).
     ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
 
     Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
@@ -508,21 +514,23 @@ def load_checkpoint(
         )
 
     ordered = sorted(objects, key=lambda n: _RESTORE_ORDER.index(entries[n]["kind"]))
+    if verify:  # checked as stored, before anything changes: plain values, loaders, the RNG state
+        _verify(payload, file, [n for n, e in entries.items() if e["kind"] in _VERIFIED_AS_STORED])
     for name in ordered:
         if entries[name]["kind"] != "generator":
             _restore_one(file, name, objects[name], entries[name]["state"])
     if verify:
         for name in ordered:
             entry = entries[name]
-            if entry["kind"] != "generator" and _digest(objects[name].state_dict(), name) != entry["digest"]:
+            if entry["kind"] in _VERIFIED_AS_STORED or entry["kind"] == "generator":
+                continue
+            if _digest(objects[name].state_dict(), name) != entry["digest"]:
                 raise CheckpointError(
                     f"Restoring {name!r} from {file} did not reproduce the saved state (its fingerprint "
                     "differs): the file is corrupt, or the object cannot hold the saved values exactly "
                     "(different dtype, fewer entries, a load_state_dict that drops or converts "
                     "values). Restore into an object built like the one that was saved."
                 )
-        values = [n for n, e in entries.items() if e["kind"] == "value"]
-        _verify(payload, file, values)
     if restore_rng:
         try:
             RngState.from_dict(payload["rng"]["state"]).restore(generators=generators)
