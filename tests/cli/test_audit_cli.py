@@ -1,0 +1,123 @@
+"""`torchrepro audit` end to end: real scripts run in a real child process through the bootstrap.
+
+Each script runs once (about one torch start-up each): a net with three ops that raise under
+strict mode on CUDA, a plain CNN (negative control: no error, exit 0), a script with bad
+settings, and a failing script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchrepro.cli import main
+
+SCRIPTS = Path(__file__).with_name("audit_scripts")
+
+
+def _rel(path: Path) -> str:
+    return os.path.relpath(path, os.getcwd())
+
+
+def _line(script: Path, text: str) -> str:
+    """``file:line`` (as the audit shows it) of the line of ``script`` that contains ``text``."""
+    lines = script.read_text().splitlines()
+    (number,) = [n for n, t in enumerate(lines, start=1) if text in t]
+    return f"{_rel(script)}:{number}"
+
+
+def _audit_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+    code = main(["audit", "--json", *argv])
+    out = capsys.readouterr().out
+    return code, json.loads(out)  # exactly one JSON object on stdout
+
+
+@pytest.fixture
+def plain_shell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment of a user who set nothing for reproducibility."""
+    for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_flagged_ops_name_op_module_and_forward_line(
+    capsys: pytest.CaptureFixture[str], plain_shell: None
+) -> None:
+    script = SCRIPTS / "flagged.py"
+    code, report = _audit_json(capsys, _rel(script))
+    assert code == 1
+    errors = {
+        (f["code"], f["op"], f["module"], f["location"])
+        for f in report["findings"]
+        if f["severity"] == "error"
+    }
+    assert errors == {
+        ("TR107", "aten.reflection_pad2d_backward", "pad", _line(script, "h = self.pad(h)")),
+        ("TR102", "aten._adaptive_avg_pool2d_backward", "pool", _line(script, "h = self.pool(h)")),
+        ("TR106", "aten.upsample_bilinear2d_backward", "Net", _line(script, "h = F.interpolate(")),
+    }
+    for f in report["findings"]:
+        assert set(f) == {"code", "severity", "op", "module", "location", "message", "fix"}
+        assert f["message"] and f["fix"]
+    assert report["optimizer_steps"] == 1 and report["steps"] == 1
+    assert report["settings"]["torch_seeded"] is True and report["settings"]["set_num_threads_called"] is True
+    codes = {f["code"] for f in report["findings"]}
+    assert "TR208" not in codes and "TR207" not in codes  # the script seeds and pins its threads
+    assert "TR201" in codes  # but hash randomisation stays on: only the launcher can fix it
+
+
+def test_clean_cnn_exits_0_with_no_error(capsys: pytest.CaptureFixture[str], plain_shell: None) -> None:
+    code = main(["audit", _rel(SCRIPTS / "clean.py")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "ERROR" not in out
+    assert "0 error(s)" in out.splitlines()[-1]
+    assert "INFO    TR120" in out  # convolution: made deterministic by strict mode, reported as info
+
+
+def test_settings_the_script_itself_sets(capsys: pytest.CaptureFixture[str], plain_shell: None) -> None:
+    script = SCRIPTS / "settings.py"
+    code, report = _audit_json(capsys, "--steps", "2", _rel(script))
+    assert code == 0  # warnings only
+    found = {f["code"]: f for f in report["findings"]}
+    for expected in ("TR201", "TR203", "TR204", "TR206", "TR207", "TR208", "TR301", "TR303"):
+        assert expected in found, f"{expected} missing from {sorted(found)}"
+        assert found[expected]["severity"] in ("warning", "info")
+    loader_line = _line(script, "loader = DataLoader(")
+    assert found["TR301"]["location"] == loader_line
+    assert "random.random" in found["TR301"]["message"] and "SeededLoader" in found["TR301"]["fix"]
+    settings = report["settings"]
+    assert settings["optimizer_steps"] == 2
+    assert settings["deterministic_algorithms"] is True and settings["warn_only"] is True
+    assert settings["compile_calls"] == [
+        {"location": _line(script, "torch.compile(model)"), "backend": "inductor", "mode": None}
+    ]
+    # warn-only turns Inductor's deterministic mode on too: no TR401 for this compile call
+    assert "TR401" not in found
+
+
+def test_failing_script_exits_2_with_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["audit", "--json", _rel(SCRIPTS / "fails.py")])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.out == ""
+    assert "exit code 1" in captured.err
+    assert "RuntimeError: dataset path /nonexistent/train not found" in captured.err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["audit", "no_such_script.py"], "no such file"),
+        (["audit", "--steps", "0", str(SCRIPTS / "clean.py")], "--steps must be at least 1"),
+        (["audit"], "give a script"),
+    ],
+)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert message in captured.err
