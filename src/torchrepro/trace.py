@@ -517,6 +517,7 @@ class OpRecorder(_Observer):
 # Tracer: digests of every op's inputs and outputs (for locating a divergence)
 # --------------------------------------------------------------------------------------------
 
+_COLLECTIVE_NAMESPACES: Final = ("c10d.", "_c10d_functional.", "c10d_functional.")
 _RANDOM_OPS: Final = (
     "bernoulli",
     "dropout",
@@ -553,6 +554,8 @@ def _op_info(func: Any) -> _OpInfo:
             if arg.is_out:
                 overwritten.add(key)
     written.update(_HIDDEN_WRITES.get(name, ()))
+    if name.startswith("c10d::") and name.endswith("_"):  # in-place collectives carry no (a!) marks
+        written.update(i for i, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
     if name in _FULL_WRITE_OPS:
         overwritten.add(0)
     return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten))
@@ -786,6 +789,8 @@ class Tracer(_Observer):
             inputs.append(_scalar_token(scalars))
 
         out = func(*args, **kwargs)
+        if name.startswith(_COLLECTIVE_NAMESPACES):
+            _wait(out)  # an async collective's outputs hold their result only once it completes
 
         uninit = info.uninit or reads_uninit
         written = [
@@ -814,6 +819,13 @@ class Tracer(_Observer):
 
 def _has(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> bool:
     return key < len(args) if isinstance(key, int) else key in kwargs
+
+
+def _wait(out: Any) -> None:
+    """Wait for the ``Work`` handles a c10d op returned (waiting twice is harmless)."""
+    for v in _leaves(out):
+        if isinstance(v, torch.ScriptObject) and hasattr(v, "wait"):
+            v.wait()
 
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> Any:
@@ -990,6 +1002,11 @@ def _divergence(i: int, ra: _Record, rb: _Record, rank: int | None) -> OpDiverge
             f"{what} differs and {reasons}, although every earlier op matched: the value comes from "
             "outside the traced ops (Python data such as a process id or the time, a tensor built from "
             "it, or a write the tracer did not see)."
+        )
+    if ra.op.startswith(_COLLECTIVE_NAMESPACES):
+        note += (
+            " This is a collective: its result also depends on the other ranks, so the source is "
+            "likely on another rank; compare their traces."
         )
     return OpDivergence(
         op=ra.op,
