@@ -204,7 +204,7 @@ def _render_audit(report: torchrepro.AuditReport) -> str:
         f"{report.ops_recorded} ops recorded, op table for torch {report.table_release})"
     ]
     for f in report.findings:
-        where = "  ".join(x for x in (f.location, f.module, f.op) if x)
+        where = "  ".join(x for x in (f.location, f.module, f.op) if x) or "(settings)"
         lines.append(f"{f.severity.upper():8}{f.code}  {where}")
         lines += textwrap.wrap(f.message, 104, initial_indent=" " * 8, subsequent_indent=" " * 8)
         lines += textwrap.wrap("fix: " + f.fix, 104, initial_indent=" " * 8, subsequent_indent=" " * 13)
