@@ -7,7 +7,7 @@ optional extras are imported lazily by the functions that need them.
 from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script
 from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from torchrepro.data import SeededLoader, sample_rng
-from torchrepro.env import EnvDifference, Environment, collect_env, diff_env
+from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env
 from torchrepro.errors import (
     CheckpointError,
     DataLoaderStateError,
@@ -58,6 +58,7 @@ __all__ = [
     "fork_rng",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_env",
     "record",
     "relaunch",
     "reproducible",
