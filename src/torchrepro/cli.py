@@ -65,11 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_script_args(p)
 
     p = sub.add_parser("env", help="the environment fingerprint, or the diff of two")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--script", default=None, help="record this script's digest and its repository's git state"
+    )
     env_sub = p.add_subparsers(dest="env_command", metavar="diff")
-    d = env_sub.add_parser("diff", help="explain the differences between two environment files")
-    d.add_argument("a")
-    d.add_argument("b")
+    d = env_sub.add_parser(
+        "diff",
+        help="explain the differences between two environment files",
+        description="Exit 0 when nothing that can break bitwise reproducibility differs, 1 when "
+        "something does, 2 when a file is unreadable or malformed. A file may be `torchrepro env "
+        '--json` output, a JSON object with an "env" key, or a run-record directory.',
+    )
+    d.add_argument("a", help="environment JSON file or run-record directory")
+    d.add_argument("b", help="environment JSON file or run-record directory")
     d.add_argument("--json", action="store_true", dest="diff_json")
     return parser
 
@@ -236,7 +245,70 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_env(args: argparse.Namespace) -> int:
-    return _not_ready(args)
+    import json
+
+    from torchrepro.env import collect_env, diff_env, load_env
+
+    as_json = bool(args.json or getattr(args, "diff_json", False))
+    if args.env_command != "diff":
+        env = collect_env(script=args.script).to_dict()
+        print(json.dumps(env, indent=2) if as_json else _render_env(env))
+        return EXIT_OK
+    differences = diff_env(load_env(args.a), load_env(args.b))
+    breaks = any(d.breaks for d in differences)
+    if as_json:
+        out = {"a": args.a, "b": args.b, "breaks": breaks, "differences": [d.to_dict() for d in differences]}
+        print(json.dumps(out, indent=2))
+    else:
+        print(_render_env_diff(args.a, args.b, differences))
+    return EXIT_FINDINGS if breaks else EXIT_OK
+
+
+def _short(value: object, width: int = 90, *, none: str = "null") -> str:
+    import json
+
+    text = none if value is None else value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _render_env(env: dict[str, object]) -> str:
+    """``env`` as an aligned two-column table; nested values indented below their field."""
+    lines = ["torchrepro environment (null = could not be collected)"]
+    for key, value in env.items():
+        if isinstance(value, dict) and value:
+            lines.append(f"  {key}:")
+            width = max(len(str(k)) for k in value)
+            none = "<unset>" if key == "env_vars" else "null"
+            lines += [f"    {k:<{width}}  {_short(v, none=none)}" for k, v in value.items()]
+        elif key == "gpus" and isinstance(value, list) and value:
+            lines.append(f"  {key}:")
+            lines += [f"    [{i}] {_short(g)}" for i, g in enumerate(value)]
+        else:
+            shown = " ".join(value) if key == "cpu_flags" and isinstance(value, list) else value
+            lines.append(f"  {key:<22}  {_short(shown)}")
+    return "\n".join(lines)
+
+
+def _render_env_diff(a: str, b: str, differences: Sequence[torchrepro.EnvDifference]) -> str:
+    """The differences grouped by class: first what can break bitwise reproducibility."""
+    if not differences:
+        return f"environments {a} and {b}: no difference"
+    lines = [f"environments A={a} and B={b}: {len(differences)} difference(s)"]
+    for breaks, title in ((True, "can break bitwise reproducibility"), (False, "harmless")):
+        group = [d for d in differences if d.breaks == breaks]
+        if not group:
+            continue
+        lines.append(f"{title} ({len(group)}):")
+        for reason in dict.fromkeys(d.reason for d in group):
+            lines.append(f"  {'!' if breaks else '-'} {reason}")
+            lines += [
+                f"      {d.key}: {_short(d.a, 50)} -> {_short(d.b, 50)}" for d in group if d.reason == reason
+            ]
+    verdict = (
+        "something that matters differs" if any(d.breaks for d in differences) else "nothing that matters"
+    )
+    lines.append(f"verdict: {verdict}")
+    return "\n".join(lines)
 
 
 _COMMANDS = {
