@@ -289,6 +289,10 @@ def _render_env(env: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
+def _none(key: str) -> str:
+    return "<unset>" if key.startswith("env_vars.") else "null"
+
+
 def _render_env_diff(a: str, b: str, differences: Sequence[torchrepro.EnvDifference]) -> str:
     """The differences grouped by class: first what can break bitwise reproducibility."""
     if not differences:
@@ -302,7 +306,9 @@ def _render_env_diff(a: str, b: str, differences: Sequence[torchrepro.EnvDiffere
         for reason in dict.fromkeys(d.reason for d in group):
             lines.append(f"  {'!' if breaks else '-'} {reason}")
             lines += [
-                f"      {d.key}: {_short(d.a, 50)} -> {_short(d.b, 50)}" for d in group if d.reason == reason
+                f"      {d.key}: {_short(d.a, 50, none=_none(d.key))} -> {_short(d.b, 50, none=_none(d.key))}"
+                for d in group
+                if d.reason == reason
             ]
     verdict = (
         "something that matters differs" if any(d.breaks for d in differences) else "nothing that matters"
