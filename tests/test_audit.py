@@ -306,6 +306,23 @@ def test_conditions_use_recorded_arguments_when_there_are_some(
     assert [(f.code, f.severity) for f in audit_ops([event])] == expected
 
 
+def test_conditions_use_the_calls_the_probe_saw_at_the_same_line() -> None:
+    events = [_ev("aten.cumsum.default", "t.py:5"), _ev("aten.bincount.default", "t.py:6")]
+    calls = [
+        {"fn": "cumsum", "location": "t.py:5", "floating": False},
+        {"fn": "bincount", "location": "t.py:6", "weights": True},
+    ]
+    assert [(f.code, f.severity, f.location) for f in audit_ops(events, calls=calls)] == [
+        ("TR113", "error", "t.py:6")
+    ]
+    # two calls on one line, one floating: the op may be the floating one
+    calls.append({"fn": "cumsum", "location": "t.py:5", "floating": True})
+    assert [f.code for f in audit_ops(events, calls=calls) if f.severity == "error"] == ["TR113", "TR116"]
+    # facts from another line decide nothing
+    (finding,) = audit_ops([_ev("aten.cumsum.default", "t.py:9")], calls=calls)
+    assert finding.severity == "warning" and "cannot tell" in finding.message
+
+
 def test_events_may_be_opevent_objects_and_bad_events_are_named() -> None:
     from torchrepro.trace import OpEvent
 

@@ -29,7 +29,6 @@ import os
 import re
 import subprocess
 import sys
-import sysconfig
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -330,6 +329,39 @@ def _condition_holds(cond: Mapping[str, Any], event: _Event) -> bool | None:
     return None
 
 
+_FACT_OF_CONDITION = {
+    "reduction_not_none": "reduction",
+    "embedding_bag_max": "mode",
+    "weights_given": "weights",
+    "reduce_in": "reduce",
+    "floating_or_complex": "floating",
+}
+
+
+def _fact_holds(cond: Mapping[str, Any], value: Any) -> bool | None:
+    kind = cond["kind"]
+    if kind == "reduction_not_none":
+        return value != "none" if isinstance(value, str) else None
+    if kind == "embedding_bag_max":
+        return value == "max" if isinstance(value, str) else None
+    if kind == "reduce_in":
+        return value in cond["values"] if isinstance(value, str) else None
+    return value if isinstance(value, bool) else None
+
+
+def _condition_from_calls(
+    cond: Mapping[str, Any], event: _Event, calls: Mapping[str | None, list[Mapping[str, Any]]]
+) -> bool | None:
+    """The condition decided from the Python-level calls the probe saw at the event's line."""
+    fact = _FACT_OF_CONDITION.get(cond["kind"])
+    if fact is None or event.location is None:
+        return None
+    verdicts = [_fact_holds(cond, c[fact]) for c in calls.get(event.location, ()) if fact in c]
+    if not verdicts or None in verdicts:
+        return None
+    return any(verdicts)
+
+
 _CONDITION_TEXT = {
     "reduction_not_none": "reduction is 'mean' or 'sum' (the default)",
     "embedding_bag_max": "mode='max'",
@@ -361,8 +393,12 @@ def _sort_key(f: Finding) -> tuple[int, str, str, str]:
     return (_SEVERITY_RANK[f.severity], f.code, f.location or "", f.op or "")
 
 
-def _op_message(entry: _Entry, event: _Event, uncertain: bool, ops: Sequence[str], sites: int) -> str:
-    where = " (recorded in backward; the location is its forward call)" if event.backward else ""
+def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence[str], sites: int) -> str:
+    where = ""
+    if phases == {True}:
+        where = " (recorded in backward; the location is its forward call)"
+    elif phases == {True, False}:
+        where = " (in forward and in backward; the location is the forward call)"
     if entry.section == "raises":
         msg = (
             f"{entry.title}{where}: no deterministic CUDA implementation. On CUDA, strict mode "
@@ -387,8 +423,12 @@ def _op_message(entry: _Entry, event: _Event, uncertain: bool, ops: Sequence[str
     return msg
 
 
-def audit_ops(events: Iterable[Any]) -> list[Finding]:
+def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ()) -> list[Finding]:
     """Findings for recorded op events (``OpEvent`` objects or their ``to_dict()`` dicts).
+
+    ``calls`` are facts about Python-level calls (``{"fn", "location", "weights"|"floating"|
+    "reduce"|"reduction"|"mode": ...}``, as the audited child's probe records them) that decide
+    the conditions of the table for ops recorded at the same ``location``.
 
     Ops that raise under strict mode on CUDA (or stay nondeterministic) give one ``error`` per op
     and call site (a ``warning`` when a condition of the table cannot be checked from the
@@ -404,6 +444,9 @@ def audit_ops(events: Iterable[Any]) -> list[Finding]:
     for entry in table.entries:
         for spec in entry.ops:
             by_name.setdefault(spec.name, []).append((entry, spec))
+    by_location: dict[str | None, list[Mapping[str, Any]]] = {}
+    for call in calls:
+        by_location.setdefault(call.get("location"), []).append(call)
     groups: dict[tuple[Any, ...], tuple[_Entry, _Event, list[bool], dict[str, None], set[Any]]] = {}
     for raw in events:
         event = _as_event(raw)
@@ -413,6 +456,8 @@ def audit_ops(events: Iterable[Any]) -> list[Finding]:
             uncertain = False
             if entry.condition is not None:
                 holds = _condition_holds(entry.condition, event)
+                if holds is None:
+                    holds = _condition_from_calls(entry.condition, event, by_location)
                 if holds is False:
                     continue
                 if holds is None:
@@ -421,7 +466,7 @@ def audit_ops(events: Iterable[Any]) -> list[Finding]:
                     uncertain = True
             op = event.name if event.overload in (None, "default") else f"{event.name}.{event.overload}"
             if entry.section == "raises":
-                key: tuple[Any, ...] = (entry.code, op, event.module, event.location, event.backward)
+                key: tuple[Any, ...] = (entry.code, op, event.module, event.location)
             else:
                 key = (entry.code,)
             if key not in groups:
@@ -433,6 +478,7 @@ def audit_ops(events: Iterable[Any]) -> list[Finding]:
     for entry, event, unsure_list, ops, sites in groups.values():
         unsure = all(unsure_list)
         severity = ("warning" if unsure else "error") if entry.section == "raises" else "info"
+        phases = {backward for _, backward in sites}
         findings.append(
             Finding(
                 code=entry.code,
@@ -440,7 +486,7 @@ def audit_ops(events: Iterable[Any]) -> list[Finding]:
                 op=event.name,
                 module=event.module,
                 location=event.location,
-                message=_op_message(entry, event, unsure, list(ops), len(sites)),
+                message=_op_message(entry, phases, unsure, list(ops), len({loc for loc, _ in sites})),
                 fix=entry.fix,
             )
         )
@@ -505,7 +551,7 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
     """
     table = _load_table()
     evs = [_as_event(e) for e in events]
-    op_findings = audit_ops(evs)
+    op_findings = audit_ops(evs, calls=settings.get("calls") or ())
     needs_strict = sorted({f.op or "" for f in op_findings if f.severity == "info"})
     if settings.get("cudnn_deterministic"):
         conv = {s.name for e in table.entries if e.code == "TR120" for s in e.ops}
@@ -770,7 +816,8 @@ def audit_script(
             )
         events = _read_events(Path(tmp))
         settings = _read_json(Path(settings_path)) if Path(settings_path).is_file() else {}
-    findings = _table_findings() + audit_ops(events) + audit_settings(settings, events=events)
+    calls = settings.get("calls") or ()
+    findings = _table_findings() + audit_ops(events, calls=calls) + audit_settings(settings, events=events)
     steps_done = settings.get("optimizer_steps")
     return AuditReport(
         findings=tuple(sorted(findings, key=_sort_key)),
@@ -815,13 +862,14 @@ def _read_events(directory: Path) -> list[dict[str, Any]]:
 
 def _user_location() -> str | None:
     """``file:line`` of the innermost caller outside torch, torchrepro and the standard library."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
-    stdlib = sysconfig.get_paths()["stdlib"]
+    skip = tuple(
+        os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
+        for f in (torch.__file__, __file__, os.__file__)
+    )
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        in_stdlib = filename.startswith(stdlib) and "site-packages" not in filename
-        if not filename.startswith(skip) and not in_stdlib and not frame.f_code.co_filename.startswith("<"):
+        if not os.path.normcase(filename).startswith(skip) and not frame.f_code.co_filename.startswith("<"):
             try:
                 rel = os.path.relpath(filename)
             except ValueError:
@@ -897,6 +945,7 @@ class _SettingsProbe:
         self.dataloaders: list[dict[str, Any]] = []
         self.compile_calls: list[dict[str, Any]] = []
         self.optimizer_steps = 0
+        self.calls: dict[tuple[Any, ...], dict[str, Any]] = {}
 
     def install(self) -> None:
         import torch.optim.optimizer as optim_mod
@@ -944,8 +993,59 @@ class _SettingsProbe:
             probe.optimizer_steps += 1
             probe.write()
 
+        self._watch_calls()
         optim_mod.register_optimizer_step_post_hook(after_step)
         atexit.register(self.write)
+
+    def _watch_calls(self) -> None:
+        """Wrap the few functions whose arguments decide a table condition; record the facts by line."""
+        import torch.nn.functional as fn
+
+        def wrap(owner: Any, name: str, facts: Any) -> None:
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+            probe = self
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                with contextlib.suppress(Exception):
+                    if len(probe.calls) < 10_000:
+                        record = {"fn": name.rstrip("_"), "location": _user_location(), **facts(a, kw)}
+                        probe.calls.setdefault(tuple(sorted(record.items())), record)
+                return original(*a, **kw)
+
+            setattr(owner, name, wrapper)
+
+        def pos(a: Sequence[Any], kw: Mapping[str, Any], index: int, key: str, default: Any) -> Any:
+            return kw[key] if key in kw else (a[index] if len(a) > index else default)
+
+        def cumsum(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            dtype = kw.get("dtype") or getattr(a[0], "dtype", None)
+            return {"floating": dtype.is_floating_point or dtype.is_complex} if dtype is not None else {}
+
+        def bincount(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"weights": pos(a, kw, 1, "weights", None) is not None}
+
+        def scatter_reduce(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"reduce": pos(a, kw, 4, "reduce", None)}
+
+        def loss(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            reduction = pos(a, kw, 6, "reduction", "mean")
+            return {"reduction": "none" if kw.get("reduce") is False else reduction}
+
+        def embedding_bag(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"mode": pos(a, kw, 6, "mode", "mean")}
+
+        for owner in (torch, torch.Tensor):
+            wrap(owner, "cumsum", cumsum)
+            wrap(owner, "bincount", bincount)
+            wrap(owner, "scatter_reduce", scatter_reduce)
+        wrap(torch.Tensor, "cumsum_", cumsum)
+        wrap(torch.Tensor, "scatter_reduce_", scatter_reduce)
+        wrap(fn, "nll_loss", loss)
+        wrap(fn, "cross_entropy", loss)
+        wrap(fn, "embedding_bag", embedding_bag)
 
     def _record_loader(self, loader: Any) -> None:
         import torch.utils.data as data_mod
@@ -988,6 +1088,7 @@ class _SettingsProbe:
             "compile_calls": self.compile_calls,
             "dataloaders": self.dataloaders,
             "optimizer_steps": self.optimizer_steps,
+            "calls": list(self.calls.values()),
             "cuda_initialized": torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
         }
 

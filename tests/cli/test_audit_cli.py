@@ -58,7 +58,13 @@ def test_flagged_ops_name_op_module_and_forward_line(
         ("TR107", "aten.reflection_pad2d_backward", "pad", _line(script, "h = self.pad(h)")),
         ("TR102", "aten._adaptive_avg_pool2d_backward", "pool", _line(script, "h = self.pool(h)")),
         ("TR106", "aten.upsample_bilinear2d_backward", "Net", _line(script, "h = F.interpolate(")),
+        ("TR116", "aten.cumsum", "Net", _line(script, "h = h.cumsum(-1)")),
     }
+    # the probe saw the arguments: bincount without weights and integer cumsum are not reported
+    reported = {f["location"] for f in report["findings"]}
+    assert _line(script, "torch.bincount(") not in reported and _line(script, ".cumsum(1)") not in reported
+    (cumsum,) = [f for f in report["findings"] if f["code"] == "TR116"]
+    assert "in forward and in backward" in cumsum["message"]
     for f in report["findings"]:
         assert set(f) == {"code", "severity", "op", "module", "location", "message", "fix"}
         assert f["message"] and f["fix"]

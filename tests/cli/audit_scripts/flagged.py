@@ -20,6 +20,7 @@ class Net(nn.Module):
         h = torch.relu(self.conv(h))
         h = self.pool(h)  # adaptive average pooling (not to 1x1): same
         h = F.interpolate(h, size=(8, 8), mode="bilinear", align_corners=False)  # same
+        h = h.cumsum(-1)  # floating point cumsum: raises under strict mode on CUDA (forward and backward)
         return self.head(h)
 
 
@@ -30,6 +31,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for _ in range(3):
     x = torch.randn(2, 3, 8, 8)
     target = torch.randint(0, 2, (2,))
+    counts = torch.bincount(target, minlength=2)  # without weights: deterministic, no finding
+    positions = torch.ones(2, 8, dtype=torch.long).cumsum(1)  # integer cumsum: no finding
     loss = F.cross_entropy(model(x).mean((2, 3)), target)
     opt.zero_grad()
     loss.backward()
