@@ -10,8 +10,12 @@ Invariants:
   entries name the items of ``torch.use_deterministic_algorithms.__doc__`` they cover and the aten
   ops that implement them. A test keeps it equal to the installed torch's documentation, and an
   audit says so (TR002) when the installed torch documents items the table lacks.
-- A condition the recording cannot decide (``bincount`` with weights, ``cumsum`` on floats...)
-  never yields an error: the finding is a warning whose message says what could not be told.
+- Conditions of the table (``bincount`` with weights, ``cumsum`` on floats...) are decided from
+  the arguments of the Python-level call at the op's line, which the child's probe records; one
+  it cannot decide never yields an error: the finding is a warning that says what is unknown.
+- In the child, the probe wraps ``DataLoader.__init__``, ``torch.compile``,
+  ``torch.set_num_threads`` and the few functions whose arguments decide a condition; every
+  wrapper records and calls through unchanged. The parent process changes no global state.
 - Findings for a backward op carry the module and source line of the forward call that created
   it (the recorder's location), never ``loss.backward()``.
 - The library never prints; ``audit_ops`` and ``audit_settings`` are pure functions of their input.

@@ -84,7 +84,13 @@ def test_clean_cnn_exits_0_with_no_error(capsys: pytest.CaptureFixture[str], pla
     assert "INFO    TR120" in out  # convolution: made deterministic by strict mode, reported as info
 
 
-def test_settings_the_script_itself_sets(capsys: pytest.CaptureFixture[str], plain_shell: None) -> None:
+def test_settings_the_script_itself_sets(
+    capsys: pytest.CaptureFixture[str], plain_shell: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torchrepro's own switches in the caller's environment must not leak into the audited run:
+    # it audits the script as plain python runs it
+    monkeypatch.setenv("TORCHREPRO_SEED", "5")
+    monkeypatch.setenv("TORCHREPRO_MODE", "strict")
     script = SCRIPTS / "settings.py"
     code, report = _audit_json(capsys, "--steps", "2", _rel(script))
     assert code == 0  # warnings only
