@@ -443,3 +443,22 @@ def test_random_hint() -> None:
     assert _random_hint(DrawsNumpy()) == "DrawsNumpy.__getitem__ calls np.random."
     assert _random_hint(Plain()) is None
     assert _random_hint(torch.utils.data.Subset(WithTransform(), [0])) == "transforms RandomCropLike"
+
+
+# --------------------------------------------------------------------------------------------
+# The fixes the audit suggests remove the errors (examples/audit_example.py)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_suggested_fixes_remove_the_errors(fixed: bool, rng_changes_ok: None) -> None:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "examples" / "audit_example.py"
+    spec = importlib.util.spec_from_file_location("audit_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.SegNet(fixed=fixed)
+    events = _record(lambda: model(torch.randn(2, 3, 16, 16)).sum().backward())
+    errors = sorted(f.code for f in audit_ops(events) if f.severity == "error")
+    assert errors == ([] if fixed else ["TR102", "TR106", "TR107"])
