@@ -256,7 +256,7 @@ def test_flipped_bit_in_a_plain_value_is_caught(tmp_path: Path) -> None:
     path = tmp_path / "c.pt"
     save(path, table=torch.arange(10000.0))
     _flip_tensor_byte(path)
-    with pytest.raises(CheckpointError, match=r"stored state of 'table' does not match its fingerprint"):
+    with pytest.raises(CheckpointError, match=r"stored state of 'table' does not match its checksum"):
         load_checkpoint(path, restore_rng=False)
 
 
