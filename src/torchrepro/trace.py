@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -202,11 +203,13 @@ class _Sites:
         self._cwd = os.path.normcase(os.getcwd())
         self._handles: list[Any] = []
         self._pending: list[list[Any]] = []
+        self._thread = threading.get_ident()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def install(self) -> None:
         from torch.nn.modules import module as nn_module
 
+        self._thread = threading.get_ident()
         self._handles = [
             nn_module.register_module_forward_pre_hook(self._pre_hook),
             nn_module.register_module_forward_hook(self._post_hook, always_call=True),
@@ -250,7 +253,7 @@ class _Sites:
 
     def module_path(self) -> str | None:
         stack = self._stack
-        if not stack:
+        if not stack or threading.get_ident() != self._thread:  # the stack is the tracing thread's
             return None
         module = stack[-1]
         names = self._names_of(stack[0])
@@ -402,6 +405,8 @@ class _Observer:
         self._sites = _Sites()
         self._mode: _Mode | None = None
         self._names: dict[Any, str] = {}
+        self._lock = threading.Lock()  # ops can arrive from other threads (collective callbacks)
+        self._thread = threading.get_ident()
 
     @property
     def active(self) -> bool:
@@ -413,6 +418,7 @@ class _Observer:
             raise TraceError(f"This {self._what} is already started; call stop() before starting it again.")
         self._sites = _Sites()
         self._sites.install()
+        self._thread = threading.get_ident()
         mode = (_DynamoSafeMode if "torch._dynamo" in sys.modules else _Mode)(self)
         try:
             mode.__enter__()  # type: ignore[no-untyped-call]
@@ -504,12 +510,14 @@ class OpRecorder(_Observer):
         if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
             return func(*args, **kwargs)
         sites = self._sites
-        module, location, backward = sites.attribute(sys._getframe(1))
+        with self._lock:
+            module, location, backward = sites.attribute(sys._getframe(1))
         out = func(*args, **kwargs)
         key = (name, module, location, backward)
-        self._counts[key] = self._counts.get(key, 0) + 1
-        if not backward or torch.is_grad_enabled():
-            sites.remember(out, (module, location))
+        with self._lock:
+            self._counts[key] = self._counts.get(key, 0) + 1
+            if not backward or torch.is_grad_enabled():
+                sites.remember(out, (module, location))
         return out
 
 
@@ -755,12 +763,39 @@ class Tracer(_Observer):
         name = self._op_name(func)
         if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
             return func(*args, **kwargs)
-        info = self._infos.get(func)
-        if info is None:
-            info = self._infos[func] = _op_info(func)
-        sites = self._sites
-        module, location, backward = sites.attribute(sys._getframe(1))
+        with self._lock:
+            info = self._infos.get(func)
+            if info is None:
+                info = self._infos[func] = _op_info(func)
+            module, location, backward = self._sites.attribute(sys._getframe(1))
+            inputs, reads_uninit = self._inputs(info, args, kwargs)
+        out = func(*args, **kwargs)
+        if name.startswith(_COLLECTIVE_NAMESPACES):
+            _wait(out)  # an async collective's outputs hold their result only once it completes
+        with self._lock:
+            written = [_arg(args, kwargs, k) for k in info.written if _has(args, kwargs, k)]
+            for t in _leaves(written):
+                if isinstance(t, torch.Tensor):
+                    ptr = _storage_ptr(t)
+                    self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
+            outputs = self._outputs([out, *written], info.uninit or reads_uninit)
+            vi = self._value_index
+            self._records.append(
+                [
+                    self._intern(self._op_index, name),
+                    self._intern(self._site_index, (module, location)),
+                    1 if backward else 0,
+                    [self._intern(vi, tok) for tok in inputs],
+                    [self._intern(vi, tok) for tok in outputs],
+                    0 if threading.get_ident() == self._thread else 1,
+                ]
+            )
+            if not backward or torch.is_grad_enabled():
+                self._sites.remember(out, (module, location))
+        return out
 
+    def _inputs(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+        """Tokens of the op's inputs (non-tensor arguments last, as one) and whether any is uninit."""
         inputs: list[str] = []
         scalars: list[str] = []
         reads_uninit = False
@@ -787,34 +822,7 @@ class Tracer(_Observer):
                 scalars.append(_scalar_text(value))
         if scalars:
             inputs.append(_scalar_token(scalars))
-
-        out = func(*args, **kwargs)
-        if name.startswith(_COLLECTIVE_NAMESPACES):
-            _wait(out)  # an async collective's outputs hold their result only once it completes
-
-        uninit = info.uninit or reads_uninit
-        written = [
-            args[k] if isinstance(k, int) else kwargs[k] for k in info.written if _has(args, kwargs, k)
-        ]
-        for t in _leaves(written):
-            if isinstance(t, torch.Tensor):
-                ptr = _storage_ptr(t)
-                self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
-        outputs = self._outputs([out, *written], uninit)
-
-        vi = self._value_index
-        self._records.append(
-            [
-                self._intern(self._op_index, name),
-                self._intern(self._site_index, (module, location)),
-                1 if backward else 0,
-                [self._intern(vi, tok) for tok in inputs],
-                [self._intern(vi, tok) for tok in outputs],
-            ]
-        )
-        if not backward or torch.is_grad_enabled():
-            sites.remember(out, (module, location))
-        return out
+        return inputs, reads_uninit
 
 
 def _has(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> bool:
@@ -876,6 +884,8 @@ class _Record:
     backward: bool
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    index: int  # position in its trace
+    lane: int  # 0: the thread that started the tracer; 1: any other thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -913,8 +923,10 @@ def _load_trace(path: str | os.PathLike[str]) -> _Trace:
                 backward=bool(backward),
                 inputs=tuple(values[i] for i in ins),
                 outputs=tuple(values[i] for i in outs),
+                index=index,
+                lane=int(rest[0]) if rest else 0,
             )
-            for op, site, backward, ins, outs in doc["records"]
+            for index, (op, site, backward, ins, outs, *rest) in enumerate(doc["records"])
         )
         rank = doc.get("rank")
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -938,12 +950,23 @@ def compare_traces(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> OpDi
     value came from outside the traced ops (a Python scalar, a tensor made from Python data, a write
     the tracer did not see); ``inputs_equal`` and ``note`` say which. When the two runs issued
     different ops before any output differed, that op is reported with ``structural=True``.
+    Ops that ran on other threads than the traced one (callbacks of collectives) are aligned among
+    themselves, since their interleaving with the traced thread varies from run to run.
     Raises ``TraceError`` for a missing or malformed file.
     """
     ta, tb = _load_trace(a), _load_trace(b)
-    n = min(len(ta.records), len(tb.records))
-    for i in range(n):
-        ra, rb = ta.records[i], tb.records[i]
+    found = []
+    for lane in sorted({r.lane for r in ta.records} | {r.lane for r in tb.records}):
+        d = _compare_lane(ta, tb, lane)
+        if d is not None:
+            found.append(d)
+    return min(found, key=lambda d: d.index) if found else None
+
+
+def _compare_lane(ta: _Trace, tb: _Trace, lane: int) -> OpDivergence | None:
+    la = [r for r in ta.records if r.lane == lane]
+    lb = [r for r in tb.records if r.lane == lane]
+    for ra, rb in zip(la, lb, strict=False):
         if ra.op != rb.op or len(ra.inputs) != len(rb.inputs) or len(ra.outputs) != len(rb.outputs):
             where_b = f"{rb.op} ({rb.module or 'no module'}, {rb.location or 'unknown line'})"
             return OpDivergence(
@@ -951,41 +974,41 @@ def compare_traces(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> OpDi
                 module=ra.module,
                 location=ra.location,
                 backward=ra.backward,
-                index=i,
+                index=ra.index,
                 inputs_equal=ra.inputs == rb.inputs,
                 structural=True,
                 other_op=rb.op,
                 rank=ta.rank,
                 note=(
-                    f"the runs issued different ops at op {i} before any output differed: {ra.op} here, "
-                    f"{where_b} in the other run. Control flow parted in Python (a data-independent "
-                    "branch on time, process id, set or dict order, environment)."
+                    f"the runs issued different ops at op {ra.index} before any output differed: {ra.op} "
+                    f"here, {where_b} in the other run. Control flow parted in Python (a branch on the "
+                    "time, a process id, set or dict order, the environment)."
                 ),
             )
         if ra.outputs != rb.outputs:
-            return _divergence(i, ra, rb, ta.rank)
-    if len(ta.records) != len(tb.records):
-        longer, shorter = (ta, tb) if len(ta.records) > len(tb.records) else (tb, ta)
-        extra = longer.records[n]
-        return OpDivergence(
-            op=extra.op,
-            module=extra.module,
-            location=extra.location,
-            backward=extra.backward,
-            index=n,
-            inputs_equal=False,
-            structural=True,
-            other_op=None,
-            rank=ta.rank,
-            note=(
-                f"{shorter.path} ends after {n} ops, all equal; {longer.path} goes on with {extra.op}. "
-                "Control flow parted in Python, or one trace was stopped early."
-            ),
-        )
-    return None
+            return _divergence(ra, rb, ta.rank)
+    if len(la) == len(lb):
+        return None
+    n = min(len(la), len(lb))
+    longer, shorter, extra = (ta, tb, la[n]) if len(la) > len(lb) else (tb, ta, lb[n])
+    return OpDivergence(
+        op=extra.op,
+        module=extra.module,
+        location=extra.location,
+        backward=extra.backward,
+        index=la[n].index if len(la) > n else len(ta.records),
+        inputs_equal=False,
+        structural=True,
+        other_op=None,
+        rank=ta.rank,
+        note=(
+            f"{shorter.path} ends after {n} equal ops; {longer.path} goes on with {extra.op}. "
+            "Control flow parted in Python, or one trace was stopped early."
+        ),
+    )
 
 
-def _divergence(i: int, ra: _Record, rb: _Record, rank: int | None) -> OpDivergence:
+def _divergence(ra: _Record, rb: _Record, rank: int | None) -> OpDivergence:
     differing = [j for j, (x, y) in enumerate(zip(ra.inputs, rb.inputs, strict=True)) if x != y]
     outs = [j for j, (x, y) in enumerate(zip(ra.outputs, rb.outputs, strict=True)) if x != y]
     what = f"output {outs[0]}" if len(ra.outputs) > 1 else "its output"
@@ -1013,7 +1036,7 @@ def _divergence(i: int, ra: _Record, rb: _Record, rank: int | None) -> OpDiverge
         module=ra.module,
         location=ra.location,
         backward=ra.backward,
-        index=i,
+        index=ra.index,
         inputs_equal=not differing,
         rank=rank,
         note=note,
