@@ -15,7 +15,10 @@ Invariants:
   it cannot decide never yields an error: the finding is a warning that says what is unknown.
 - In the child, the probe wraps ``DataLoader.__init__``, ``torch.compile``,
   ``torch.set_num_threads`` and the few functions whose arguments decide a condition; every
-  wrapper records and calls through unchanged. The parent process changes no global state.
+  wrapper records and calls through unchanged. One exception: ``use_deterministic_algorithms``
+  is recorded as asked but applied with ``warn_only=True``, so an op that raises under strict
+  mode (``put_``, ``max_unpool`` raise on the CPU too) is reported instead of ending the audit.
+  The parent process changes no global state.
 - Findings for a backward op carry the module and source line of the forward call that created
   it (the recorder's location), never ``loss.backward()``.
 - The library never prints; ``audit_ops`` and ``audit_settings`` are pure functions of their input.
@@ -950,6 +953,7 @@ class _SettingsProbe:
         self.compile_calls: list[dict[str, Any]] = []
         self.optimizer_steps = 0
         self.calls: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.requested_deterministic: tuple[bool, bool] | None = None
 
     def install(self) -> None:
         import torch.optim.optimizer as optim_mod
@@ -983,6 +987,17 @@ class _SettingsProbe:
             return original_compile(*a, **kw)
 
         torch.compile = compile_  # type: ignore[assignment]
+
+        original_deterministic = torch.use_deterministic_algorithms
+
+        @functools.wraps(original_deterministic)
+        def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+            # Record what the script asks for, but only warn: an op that raises under strict mode
+            # (max_unpool, put_ on the CPU; many more on CUDA) must not stop the audit at the first.
+            probe.requested_deterministic = (bool(mode), bool(warn_only))
+            original_deterministic(mode, warn_only=True)
+
+        torch.use_deterministic_algorithms = use_deterministic_algorithms
 
         original_threads = torch.set_num_threads
 
@@ -1073,12 +1088,16 @@ class _SettingsProbe:
 
     def snapshot(self) -> dict[str, Any]:
         inductor = sys.modules.get("torch._inductor.config")
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        if self.requested_deterministic is not None and self.requested_deterministic[0] == deterministic:
+            warn_only = self.requested_deterministic[1]  # the probe turned a strict request into warn-only
         return {
             "hash_randomization": self.hash_randomization,
             "pythonhashseed": self.start_env["PYTHONHASHSEED"],
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "deterministic_algorithms": deterministic,
+            "warn_only": warn_only,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
             "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
             "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),

@@ -93,21 +93,26 @@ def test_settings_the_script_itself_sets(
     monkeypatch.setenv("TORCHREPRO_MODE", "strict")
     script = SCRIPTS / "settings.py"
     code, report = _audit_json(capsys, "--steps", "2", _rel(script))
-    assert code == 0  # warnings only
+    assert code == 1
     found = {f["code"]: f for f in report["findings"]}
-    for expected in ("TR201", "TR203", "TR204", "TR206", "TR207", "TR208", "TR301", "TR303"):
+    for expected in ("TR201", "TR203", "TR204", "TR207", "TR208", "TR301", "TR303"):
         assert expected in found, f"{expected} missing from {sorted(found)}"
         assert found[expected]["severity"] in ("warning", "info")
+    # strict mode without CUBLAS_WORKSPACE_CONFIG: every matmul would raise on CUDA
+    assert found["TR202"]["severity"] == "error"
+    # put_ raises under strict mode even on this CPU: the audit still ran both steps and reports it
+    assert (found["TR111"]["severity"], found["TR111"]["location"]) == ("error", _line(script, "hits.put_("))
     loader_line = _line(script, "loader = DataLoader(")
     assert found["TR301"]["location"] == loader_line
     assert "random.random" in found["TR301"]["message"] and "SeededLoader" in found["TR301"]["fix"]
     settings = report["settings"]
     assert settings["optimizer_steps"] == 2
-    assert settings["deterministic_algorithms"] is True and settings["warn_only"] is True
-    assert settings["compile_calls"] == [
-        {"location": _line(script, "torch.compile(model)"), "backend": "inductor", "mode": None}
-    ]
-    # warn-only turns Inductor's deterministic mode on too: no TR401 for this compile call
+    assert (
+        settings["deterministic_algorithms"] is True and settings["warn_only"] is False
+    )  # as the script asks
+    compile_line = _line(script, "torch.compile(model)")
+    assert settings["compile_calls"] == [{"location": compile_line, "backend": "inductor", "mode": None}]
+    # deterministic algorithms turn Inductor's deterministic mode on too: no TR401 for this call
     assert "TR401" not in found
 
 

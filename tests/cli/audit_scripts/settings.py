@@ -1,6 +1,6 @@
-"""A script whose settings break reproducibility: no seed, cuDNN benchmark, TF32, warn-only
-deterministic mode, a plain DataLoader with random augmentation in two workers, and
-torch.compile without Inductor's deterministic mode (audit fixture)."""
+"""A script whose settings break reproducibility: no seed, cuDNN benchmark, TF32, strict mode
+without CUBLAS_WORKSPACE_CONFIG, an op that raises under strict mode even on the CPU, a plain
+DataLoader with random augmentation in two workers, and a torch.compile call (audit fixture)."""
 
 import random
 
@@ -22,12 +22,14 @@ class Noisy(Dataset):
 
 torch.backends.cudnn.benchmark = True
 torch.backends.cuda.matmul.allow_tf32 = True
-torch.use_deterministic_algorithms(True, warn_only=True)
+torch.use_deterministic_algorithms(True)
 model = nn.Linear(4, 2)
 compiled = torch.compile(model)  # never called here: the audit only needs to see the call
 loader = DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
+hits = torch.zeros(8)
 for x, y in loader:
+    hits.put_(y, torch.ones(len(y)))  # put_(accumulate=False) raises under strict mode, CPU too
     loss = nn.functional.cross_entropy(model(x), y)
     opt.zero_grad()
     loss.backward()
