@@ -772,7 +772,8 @@ def _child_env(ops_prefix: str, settings_path: str, steps: int) -> dict[str, str
     env["TORCHREPRO_MAX_STEPS"] = str(steps)
     env[_SETTINGS_ENV] = settings_path
     src = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    # torchrepro must be importable in the child; the user's own PYTHONPATH entries stay first
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), src) if p)
     return env
 
 
