@@ -706,7 +706,8 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "info",
                 "The script made no optimizer step while audited; the findings cover what ran (an "
                 "inference-only run records no backward ops).",
-                "If training starts later (after data preparation), pass more --steps or a shorter config.",
+                "Audit with arguments under which the script trains (a short config is enough: the audit "
+                "stops after --steps optimizer steps).",
             )
         )
     return sorted(out, key=_sort_key)
