@@ -14,11 +14,15 @@ Configured only by environment variables (see PROTOCOL: ``TORCHREPRO_SEED``, ``_
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.machinery
+import importlib.util
+import io
 import os
-import runpy
 import sys
 import traceback
+import types
 from typing import Any
 
 import torch
@@ -193,10 +197,48 @@ def _configure() -> None:
     _launch._mark_bootstrapped(seeded=seed is not None)
 
 
+def _script_code(path: str) -> types.CodeType:
+    with io.open_code(path) as f:
+        source = f.read()
+    return compile(source, path, "exec", dont_inherit=True)
+
+
+def _module_code(name: str) -> tuple[types.CodeType, importlib.machinery.ModuleSpec]:
+    """The code and spec ``python -m name`` runs (a package runs its ``__main__``)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise SystemExit(f"{sys.executable}: No module named {name}")
+    if spec.submodule_search_locations is not None:  # a package: run its __main__
+        return _module_code(f"{name}.__main__")
+    loader = spec.loader
+    get_code = getattr(loader, "get_code", None)
+    code = get_code(name) if get_code is not None else None
+    if code is None:
+        raise SystemExit(f"{sys.executable}: No code object available for {name}")
+    return code, spec
+
+
+def _run_as_main(
+    code: types.CodeType, *, file: str | None, spec: importlib.machinery.ModuleSpec | None
+) -> None:
+    """Execute ``code`` as the real ``__main__`` module, which stays alive until interpreter exit.
+
+    Like python (and unlike ``runpy.run_path``, whose temporary module is dropped on return), the
+    script's globals are only destroyed at interpreter shutdown: destroying them earlier, e.g. a
+    DDP model holding a gloo process group, can deadlock with torch's background threads.
+    """
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __cached__=None, __spec__=spec, __builtins__=builtins)
+    main.__dict__["__loader__"] = spec.loader if spec is not None else None
+    main.__dict__["__package__"] = spec.parent if spec is not None else None
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
 def _print_user_traceback(exc: BaseException) -> None:
-    """Print the traceback like python would, without the bootstrap's and runpy's frames."""
+    """Print the traceback like python would, without the bootstrap's frames."""
     tb = exc.__traceback__
-    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    skip = {os.path.abspath(__file__)}
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
         tb = tb.tb_next
     traceback.print_exception(type(exc), exc, tb)
@@ -222,12 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         if script is not None:
             sys.argv = [script, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(script))
-            runpy.run_path(script, run_name="__main__")
+            _run_as_main(_script_code(script), file=script, spec=None)
         else:
             assert module is not None
-            sys.argv = [module, *args]
             sys.path[0] = os.getcwd()
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code, spec = _module_code(module)
+            sys.argv = [spec.origin or module, *args]
+            _run_as_main(code, file=spec.origin, spec=spec)
     except _MaxStepsReached:
         code = 0
     except SystemExit as exc:

@@ -1,0 +1,23 @@
+"""A plain DataLoader with random augmentation in its workers (torch RNG in __getitem__)."""
+
+import torch
+from torch import nn
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)) + torch.rand(4)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(Noisy(), batch_size=4, num_workers=2)
+    for xb in loader:
+        opt.zero_grad()
+        model(xb).pow(2).mean().backward()
+        opt.step()
