@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml constraints-dev.txt requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(VENV)/bin/torchrepro check examples/digits_train.py
+	$(VENV)/bin/torchrepro check examples/digits_broken.py || test $$? -eq 1  # a divergence is the point
 	$(PY) examples/seed_demo.py
 
 lint: $(STAMP)

@@ -1,0 +1,75 @@
+"""``torchrepro check`` process handling: SIGTERM ends every child, concurrent checks, human output."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parents[1] / "e2e" / "scripts"
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def test_sigterm_ends_every_child_process(tmp_path: Path) -> None:
+    script = tmp_path / "forever_sigterm_probe.py"
+    script.write_text((SCRIPTS / "forever.py").read_text())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrepro", "check", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    # wait until both runs train (events recorded) and their DataLoader workers exist
+    while time.monotonic() < deadline:
+        events = list(tmp_path.glob(".torchrepro/checks/*/run*/events.rank0.jsonl"))
+        if len(events) == 2 and all(p.stat().st_size > 0 for p in events):
+            break
+        time.sleep(0.2)
+    children = _processes_mentioning(script.name)
+    assert len(children) >= 6, children  # 2 runs x (main + 2 workers)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "interrupted" in err
+    time.sleep(0.5)
+    assert _processes_mentioning(script.name) == []
+
+
+def test_human_report_and_concurrent_checks_do_not_collide(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    cmd = [sys.executable, "-m", "torchrepro", "check", "--steps", "2", str(SCRIPTS / "unseeded.py")]
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert out.startswith("reproducible: 2 runs identical over 2 optimizer steps")
+        assert "steps run 1:" in err  # progress goes to stderr
+    checks = list((tmp_path / ".torchrepro" / "checks").iterdir())
+    assert len(checks) == 2
+    assert all((c / "verdict.json").exists() for c in checks)

@@ -1,0 +1,136 @@
+"""The launcher: child environments, commands, process-tree cleanup, relaunch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchrepro.errors import LaunchError
+from torchrepro.launch import (
+    CUBLAS_WORKSPACE_CONFIG,
+    build_command,
+    child_env,
+    descendants,
+    kill_tree,
+    python_hash_seed,
+)
+
+
+def test_child_env_sets_process_start_settings_from_the_seed() -> None:
+    env = child_env(
+        seed=7, mode="warn", threads=2, record_dir="/r", base={"PATH": "/bin", "TORCHREPRO_X": "1"}
+    )
+    assert env["PYTHONHASHSEED"] == str(python_hash_seed(7))
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["TORCHREPRO_THREADS"] == "2"
+    assert (env["TORCHREPRO_SEED"], env["TORCHREPRO_MODE"], env["TORCHREPRO_RECORD_DIR"]) == (
+        "7",
+        "warn",
+        "/r",
+    )
+    assert "TORCHREPRO_X" not in env  # the caller's own switches never leak into a child
+    assert env["PATH"] == "/bin"
+
+
+def test_child_env_without_seed_is_plain_python() -> None:
+    env = child_env(seed=None, base={"PYTHONHASHSEED": "5"})
+    assert env == {"PYTHONHASHSEED": "5"}
+
+
+def test_python_hash_seed_changes_with_seed_and_stays_in_range() -> None:
+    seeds = {python_hash_seed(s) for s in range(100)}
+    assert len(seeds) == 100
+    assert all(0 <= s < 2**32 for s in seeds)
+    assert python_hash_seed(0, "vary", 1) != python_hash_seed(0)
+
+
+@pytest.mark.parametrize(("bad", "match"), [({"seed": -1}, "seed"), ({"seed": 0, "mode": "loose"}, "mode")])
+def test_child_env_rejects_bad_settings(bad: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        child_env(**bad)  # type: ignore[arg-type]
+
+
+def test_build_command_plain_and_torchrun() -> None:
+    assert build_command("t.py", ["--x"]) == [
+        sys.executable,
+        "-m",
+        "torchrepro._bootstrap",
+        "--",
+        "t.py",
+        "--x",
+    ]
+    cmd = build_command(None, ["a"], module="pkg.train", nproc=2)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in cmd and "--standalone" in cmd
+    assert cmd[-5:] == ["-m", "torchrepro._bootstrap", "-m", "pkg.train", "a"]
+    with pytest.raises(LaunchError):
+        build_command(None)
+    with pytest.raises(LaunchError, match="nproc"):
+        build_command("t.py", nproc=0)
+
+
+def test_kill_tree_ends_descendants_in_other_sessions() -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    kids = descendants(proc.pid)
+    assert len(kids) == 1
+    kill_tree(proc.pid)
+    proc.wait(timeout=10)
+    proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{kids[0]}").exists():
+        state = Path(f"/proc/{kids[0]}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # killed, waiting for init to reap it
+            break
+        time.sleep(0.05)
+    else:
+        assert not Path(f"/proc/{kids[0]}").exists()
+
+
+RELAUNCH_SCRIPT = """
+import os, sys
+print("top", os.getpid(), flush=True)
+import torchrepro
+torchrepro.relaunch(seed=3)
+import torch
+print("hash", hash("reproducible"), os.environ.get("PYTHONHASHSEED"), torch.rand(1).item(), flush=True)
+"""
+
+
+def _run(script: Path, env: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        [sys.executable, str(script), "arg"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def test_relaunch_reexecs_once_with_a_pinned_hash_seed_and_is_a_no_op_when_in_place(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(RELAUNCH_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "TORCHREPRO_RELAUNCHED")}
+    first = _run(script, env)
+    tops = [line for line in first if line.startswith("top")]
+    assert len(tops) == 2 and tops[0] == tops[1]  # re-executed exactly once, same pid (execve)
+    second = _run(script, env)
+    assert first[-1] == second[-1]  # same hash order and same torch draw in a fresh process
+    assert first[-1].split()[2] == str(python_hash_seed(3))
+    # already in place: no re-exec
+    in_place = _run(script, {**env, "PYTHONHASHSEED": str(python_hash_seed(3))})
+    assert sum(line.startswith("top") for line in in_place) == 1
+    assert in_place[-1] == first[-1]
+    # negative control: without relaunch, string hashes differ between two fresh interpreters
+    plain = tmp_path / "plain.py"
+    plain.write_text('print(hash("reproducible"))\n')
+    runs = {_run(plain, env)[-1] for _ in range(2)}
+    assert len(runs) == 2
