@@ -660,7 +660,7 @@ def load_env(path: str | os.PathLike[str]) -> Environment:
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, dict) and value:
+    if isinstance(value, dict):  # an empty dict adds no key: "nothing" equals "absent"
         for k, v in value.items():
             _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
     elif prefix == "gpus" and isinstance(value, list):
@@ -755,7 +755,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "another PyTorch build may use other kernels and algorithms",
     ),
     (
-        r"torch_build\.",
+        r"torch_build(\.|$)",
         True,
         "PyTorch's build options and bundled libraries (BLAS, oneDNN, MKL) decide which kernels run",
     ),
@@ -790,7 +790,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "CPU reductions are split across threads; another split changes float sums",
     ),
     (
-        r"determinism\.",
+        r"determinism(\.|$)",
         True,
         "a determinism or precision switch; it changes which kernels run or how they round",
     ),
@@ -807,15 +807,15 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "BLAS and OpenMP settings can change how work is split or which code path runs",
     ),
     (r"env_vars\.TORCHREPRO_", True, "torchrepro's seed and mode decide every RNG and switch"),
-    (r"env_vars\.", True, "a PyTorch or CUDA setting; it may change which kernels run"),
+    (r"env_vars(\.|$)", True, "a PyTorch or CUDA setting; it may change which kernels run"),
     (
-        r"packages\.",
+        r"packages(\.|$)",
         True,
         "this package's code computes or transforms training values; another version may differ",
     ),
     (r"script_sha256$", True, "the script itself differs"),
     (r"git_commit$", True, "the code in the script's repository differs"),
-    (r"git_changes\.", True, "an uncommitted change to a tracked source or data file differs"),
+    (r"git_changes(\.|$)", True, "an uncommitted change to a tracked source or data file differs"),
 )
 _COMPILED_RULES = tuple((re.compile(p), breaks, reason) for p, breaks, reason in _RULES)
 _DEFAULT_RULE = (True, "not classified; assumed to matter")
