@@ -221,6 +221,7 @@ BASE = Environment(
     [
         ({"torch_version": "2.5.0"}, "torch_version", True),
         ({"python_version": "3.12.0"}, "python_version", True),
+        ({"python_version": "3.11.9"}, "python_version", False),
         ({"cpu_capability": "AVX2"}, "cpu_capability", True),
         ({"num_threads": 4}, "num_threads", True),
         ({"env_vars": {**BASE.env_vars, "OMP_NUM_THREADS": "4"}}, "env_vars.OMP_NUM_THREADS", True),

@@ -734,7 +734,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
     (
         r"python_version$",
         True,
-        "Python's standard library (random, hashing, sets) may change between releases",
+        "Python's standard library (random, hashing, sets) may change between minor releases",
     ),
     (r"python_implementation$", True, "another interpreter (CPython, PyPy) may iterate and hash differently"),
     (
@@ -828,6 +828,11 @@ def _classify(key: str) -> tuple[bool, str]:
     return _DEFAULT_RULE
 
 
+def _minor(version: Any) -> str | None:
+    parts = version.split(".") if isinstance(version, str) else []
+    return ".".join(parts[:2]) if len(parts) >= 2 else None
+
+
 def diff_env(a: Environment, b: Environment) -> list[EnvDifference]:
     """Every difference between two environments, breaking ones first, each with its class.
 
@@ -849,6 +854,8 @@ def diff_env(a: Environment, b: Environment) -> list[EnvDifference]:
             continue
         top = re.split(r"[.\[]", key, maxsplit=1)[0]
         breaks, reason = _classify(key if top in known else f"extra.{key}")
+        if key == "python_version" and _minor(va) is not None and _minor(va) == _minor(vb):
+            breaks, reason = False, "a patch release of the same Python; random and hashing are unchanged"
         out.append(EnvDifference(key=key, a=va, b=vb, breaks=breaks, reason=reason))
     out.sort(key=lambda d: not d.breaks)
     return out
