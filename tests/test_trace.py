@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from torchrepro.errors import TraceError
-from torchrepro.trace import OpEvent, OpRecorder
+from torchrepro.trace import OpEvent, OpRecorder, compare_traces, trace
 
 HERE = Path(__file__)
 
@@ -140,3 +141,216 @@ def test_misuse_raises_trace_error() -> None:
         OpEvent.from_dict({"module": "x"})
     with pytest.raises(TraceError, match="count"):
         OpEvent.from_dict({"op": "aten.add.Tensor", "count": 0})
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracer and compare_traces
+# ---------------------------------------------------------------------------------------------
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x) * self.factor  # scaled-mul
+
+
+class Scaler(torch.autograd.Function):
+    noise = 0.0
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (1.0 + Scaler.noise)  # scaler-backward
+
+
+def _traced_step(path: Path, *, factor: float = 1.0, noise: float = 0.0, reseed: int | None = None) -> Path:
+    """One training step of a fixed model, traced; the keyword arguments perturb one op."""
+    torch.manual_seed(0)
+    net = Net()
+    scaled = Scaled()
+    scaled.factor = factor
+    opt = torch.optim.Adam([*net.parameters(), *scaled.parameters()], lr=0.1)
+    x = torch.randn(4, 1, 6, 6)
+    Scaler.noise = noise
+    with trace(path):
+        if reseed is not None:
+            torch.manual_seed(reseed)
+        h = Scaler.apply(net(x))
+        loss = scaled(h.repeat(1, 2)[:, :3]).square().mean()
+        loss.backward()
+        opt.step()
+    return path
+
+
+def test_identical_runs_have_identical_traces(tmp_path: Path, rng_changes_ok: None) -> None:
+    a, b = _traced_step(tmp_path / "a.json"), _traced_step(tmp_path / "b.json")
+    assert compare_traces(a, b) is None
+    doc = json.loads(a.read_text())
+    assert doc["format"] == "torchrepro.trace"
+    names = set(doc["ops"])
+    assert {"aten.convolution_backward.default", "aten.bernoulli_.float"} <= names
+    assert any(name.startswith(("aten._foreach_", "aten._fused_adam", "aten.addcdiv_")) for name in names), (
+        names
+    )
+
+
+def test_a_perturbed_scalar_is_located_at_its_op_not_downstream(tmp_path: Path, rng_changes_ok: None) -> None:
+    a = _traced_step(tmp_path / "a.json")
+    b = _traced_step(tmp_path / "b.json", factor=1.0 + 2**-20)
+    d = compare_traces(a, b)
+    assert d is not None
+    assert (d.op, d.module, d.location, d.backward) == (
+        "aten.mul.Tensor",
+        "Scaled",
+        _line("scaled-mul"),
+        False,
+    )
+    assert (d.inputs_equal, d.structural) == (False, False)
+    assert "non-tensor arguments differ" in d.note
+    assert d.to_dict()["location"] == _line("scaled-mul")
+
+
+def test_a_reseeded_rng_is_located_at_the_random_op_with_equal_inputs(
+    tmp_path: Path, rng_changes_ok: None
+) -> None:
+    a = _traced_step(tmp_path / "a.json", reseed=1)
+    b = _traced_step(tmp_path / "b.json", reseed=2)
+    d = compare_traces(a, b)
+    assert d is not None
+    assert (d.op, d.module, d.location) == ("aten.bernoulli_.float", "layer1.drop", _line("block-call"))
+    assert d.inputs_equal and "random number generator" in d.note
+
+
+def test_a_backward_only_perturbation_is_located_in_the_custom_backward(
+    tmp_path: Path, rng_changes_ok: None
+) -> None:
+    a = _traced_step(tmp_path / "a.json")
+    b = _traced_step(tmp_path / "b.json", noise=2**-20)
+    d = compare_traces(a, b)
+    assert d is not None
+    assert (d.op, d.location, d.backward) == ("aten.mul.Tensor", _line("scaler-backward"), True)
+    assert d.module is None  # Scaler is applied outside any module
+    assert d.index > 0 and not d.structural
+
+
+def test_hidden_running_stat_updates_count_as_outputs(tmp_path: Path, rng_changes_ok: None) -> None:
+    """BatchNorm's normalised output does not depend on momentum; only its running stats do."""
+
+    def run(path: Path, momentum: float) -> Path:
+        bn = nn.BatchNorm1d(3, momentum=momentum)
+        with trace(path):
+            y = bn(torch.arange(12.0).reshape(4, 3))
+        assert bn.running_mean.sum() > 0
+        del y
+        return path
+
+    d = compare_traces(run(tmp_path / "a.json", 0.1), run(tmp_path / "b.json", 0.2))
+    assert d is not None
+    assert d.op.startswith(("aten.native_batch_norm", "aten._native_batch_norm_legit")), d
+    assert d.module == "BatchNorm1d"
+
+
+def test_a_branch_on_python_state_is_a_structural_divergence(tmp_path: Path) -> None:
+    def run(path: Path, branch: bool) -> Path:
+        x = torch.arange(4.0)
+        with trace(path):
+            y = x + 1
+            y = y.exp() if branch else y.sin()  # branch
+            del y
+        return path
+
+    d = compare_traces(run(tmp_path / "a.json", True), run(tmp_path / "b.json", False))
+    assert d is not None
+    assert (d.op, d.other_op, d.structural, d.index) == ("aten.exp.default", "aten.sin.default", True, 1)
+    assert d.location == _line("branch")
+
+    # A trace that stops early is structural too, at the first op the other one has in addition.
+    x = torch.arange(4.0)
+    with trace(tmp_path / "short.json"):
+        x.add(1)
+    d = compare_traces(tmp_path / "short.json", tmp_path / "a.json")
+    assert d is not None and d.structural and d.index == 1
+
+
+def test_uninitialised_memory_is_never_compared_as_data(tmp_path: Path) -> None:
+    """Negative control: the raw contents ``torch.empty`` returns differ from run to run."""
+    from torchrepro.fingerprint import fingerprint
+
+    raw = []
+
+    def run(path: Path, garbage: float) -> Path:
+        x = torch.arange(64.0)
+        junk = torch.full((64,), garbage)  # leave different bytes behind for empty() to find
+        del junk
+        with trace(path):
+            buf = torch.empty(64)
+            raw.append(fingerprint(buf))
+            scratch = buf * 0  # computed from garbage: not data either (may even be NaN)
+            buf.copy_(x)  # fully overwritten: data from here on
+            out = (buf * 2).sum() + scratch.shape[0]
+            like = torch.empty_like(x).fill_(3.0) + out
+            del like
+        return path
+
+    a, b = run(tmp_path / "a.json", 1.5), run(tmp_path / "b.json", -7.25)
+    assert raw[0] != raw[1], "negative control: empty() returned the same bytes twice"
+    assert compare_traces(a, b) is None
+    doc = json.loads(a.read_text())
+    records = {doc["ops"][r[0]]: r for r in doc["records"]}
+    assert [doc["values"][i] for i in records["aten.empty.memory_format"][4]] == ["uninit"]
+    assert [doc["values"][i] for i in records["aten.copy_.default"][4]] != ["uninit"]
+
+
+def test_in_place_writes_through_an_alias_are_digested_again(tmp_path: Path) -> None:
+    p = nn.Parameter(torch.ones(3))
+    with trace(tmp_path / "t.json"):
+        before = p * 1
+        p.data.mul_(2)  # .data has its own version counter: the tracer must still notice
+        after = p * 1
+        _ = p.sum().item()  # a non-tensor output
+    del before, after
+    doc = json.loads((tmp_path / "t.json").read_text())
+    muls = [r for r in doc["records"] if doc["ops"][r[0]] == "aten.mul.Tensor"]
+    p_before, p_after = doc["values"][muls[0][3][0]], doc["values"][muls[1][3][0]]
+    assert p_before != p_after
+    item = next(r for r in doc["records"] if doc["ops"][r[0]] == "aten._local_scalar_dense.default")
+    assert [doc["values"][i] for i in item[4]] == ["s:6.0"]
+
+
+def test_a_tracer_under_an_op_recorder_does_not_show_its_own_ops(
+    rng_changes_ok: None, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    with OpRecorder() as alone:
+        _one_step(Net())
+    torch.manual_seed(0)
+    with OpRecorder() as outer, trace(tmp_path / "t.json"):
+        _one_step(Net())
+    assert [(e.op, e.count) for e in outer.events] == [(e.op, e.count) for e in alone.events]
+
+
+def test_bad_trace_files_raise_trace_error_naming_the_file(tmp_path: Path) -> None:
+    good = tmp_path / "good.json"
+    with trace(good):
+        torch.ones(2).add(1)
+    with pytest.raises(TraceError, match=r"missing\.json"):
+        compare_traces(good, tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(TraceError, match=r"bad\.json"):
+        compare_traces(bad, good)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(TraceError, match="not a torchrepro op trace"):
+        compare_traces(good, other)
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({**json.loads(good.read_text()), "records": [[99, 0, 0, [], []]]}))
+    with pytest.raises(TraceError, match="malformed"):
+        compare_traces(good, broken)
