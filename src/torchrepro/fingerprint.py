@@ -203,7 +203,20 @@ def _header(kind: bytes, dtype: str, shape: tuple[int, ...]) -> bytes:
     return _FORMAT + b"|" + kind + b"|" + dtype.encode() + b"|" + ",".join(map(str, shape)).encode()
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _tensor_digest(t: torch.Tensor, path: str) -> bytes:
+    if (  # fast path for the common case (small dense CPU tensors): no views, one copy of the bytes
+        type(t) in _PLAIN_TENSORS
+        and t.layout == torch.strided
+        and t.is_cpu
+        and not (t.is_quantized or t.is_nested or t.is_conj() or t.is_neg())
+        and t.numel() * t.element_size() <= SMALL_TENSOR_BYTES
+        and t.is_contiguous()
+    ):
+        header = _header(b"tensor", str(t.dtype), tuple(t.shape))
+        return _blake(header, b"small", hashlib.sha256(_host_bytes(t)).digest())
     t = t.detach()
     if t.device.type == "meta" or _is_fake(t):
         raise TypeError(
@@ -232,7 +245,8 @@ def _tensor_digest(t: torch.Tensor, path: str) -> bytes:
         raise TypeError(f"fingerprint() cannot hash the tensor at {path}: layout {layout} is not supported.")
     if t.is_quantized:
         return _quantized_digest(t, path)
-    t = t.resolve_conj().resolve_neg()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     return _dense_digest(t, _header(b"tensor", str(t.dtype), tuple(t.shape)), path)
 
 
@@ -306,18 +320,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a 1-D, stride-1 CPU tensor, without a copy (valid while ``t`` lives)."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    buf = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
-    return memoryview(buf).cast("B")
+def _host_bytes(t: torch.Tensor) -> bytes:
+    """A copy of the bytes of a small 1-D, stride-1 CPU tensor."""
+    n = t.numel() * t.element_size()
+    return ctypes.string_at(t.data_ptr(), n) if n else b""
 
 
 def _small_bytes_digest(t: torch.Tensor) -> bytes:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
     flat = _flat(t)
-    if flat.device.type != "cpu":
-        flat = _flat(flat.to("cpu"))
     return hashlib.sha256(_host_bytes(flat)).digest()
 
 
