@@ -405,6 +405,9 @@ def test_cuda_model_and_rng_round_trip(tmp_path: Path) -> None:
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     assert fingerprint(model2) == fingerprint(model)
     assert fingerprint(opt2.state_dict()) == fingerprint(opt.state_dict())
+    # a CPU checkpoint restores into a CUDA model, and verifies (the checksum ignores the device)
+    cpu_path = save(tmp_path / "cpu.pt", model=nn.Linear(8, 8))
+    load_checkpoint(cpu_path, model=nn.Linear(8, 8).cuda(), restore_rng=False)
 
 
 DIST_SCRIPT = """

@@ -194,13 +194,12 @@ def assert_no_torn_checkpoint_is_picked(ckpt: Path) -> None:
         assert payload["meta"]["names"] == ["model", "optimizer", "scheduler", "loader", "step"]
 
 
-def test_one_zygote_child_matches_a_fresh_interpreter_and_an_epoch_boundary_resume(
+def test_fresh_interpreters_match_and_resume_at_an_epoch_boundary(
     zygote: Zygote, reference: Reference, tmp_path: Path
 ) -> None:
-    fresh = fresh_process(tmp_path / "fresh")
-    boundary = fresh_process(tmp_path / "boundary", "--stop-at", "12")  # end of epoch 0
-    assert "stopped at step 12" in collect(boundary)
-    resumed = fresh_process(tmp_path / "boundary")
+    fresh = fresh_process(tmp_path / "fresh")  # uninterrupted, in a brand-new interpreter
+    assert "stopped at step 12" in zygote.run(tmp_path, str(tmp_path / "boundary"), "--stop-at", "12")
+    resumed = fresh_process(tmp_path / "boundary")  # the end of epoch 0, resumed in a new interpreter
     assert final_fingerprint(collect(fresh)) == reference.fingerprint
     out = collect(resumed)
     assert "resumed from step-00012.pt at step 12" in out
