@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["fingerprint"]
+__all__ = ["fingerprint", "fingerprinting"]
 
 #: Tensors of at most this many bytes are hashed with hashlib over their bytes (on the host).
 SMALL_TENSOR_BYTES = 1 << 16
