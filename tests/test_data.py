@@ -47,6 +47,11 @@ class Draws(Dataset[torch.Tensor]):
         return torch.tensor([float(index), *draws, *extra], dtype=torch.float64)
 
 
+class Compose:
+    def __init__(self, transforms: list[Any]) -> None:
+        self.transforms = transforms
+
+
 class HeldGenerators(Dataset[torch.Tensor]):
     """Draws from RNG objects made in __init__: every worker gets a copy of them."""
 
@@ -54,7 +59,7 @@ class HeldGenerators(Dataset[torch.Tensor]):
         self.n = n
         self.np_rng = np.random.default_rng(0)
         self.torch_gen = torch.Generator().manual_seed(0)
-        self.transforms = [random.Random(0)]
+        self.transform = Compose([random.Random(0)])  # found inside a transform pipeline too
 
     def __len__(self) -> int:
         return self.n
@@ -63,7 +68,7 @@ class HeldGenerators(Dataset[torch.Tensor]):
         draws = [
             float(self.np_rng.random()),
             float(torch.rand((), generator=self.torch_gen)),
-            self.transforms[0].random(),
+            self.transform.transforms[0].random(),
         ]
         return torch.tensor([float(index), *draws], dtype=torch.float64)
 

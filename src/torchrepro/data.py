@@ -163,7 +163,7 @@ def _rng_types() -> tuple[type, ...]:
 _Path = tuple[str | int, ...]
 
 
-def _find_rng_objects(dataset: object, *, max_depth: int = 3, max_items: int = 64) -> tuple[_Path, ...]:
+def _find_rng_objects(dataset: object, *, max_depth: int = 4, max_items: int = 64) -> tuple[_Path, ...]:
     """Attribute paths (names, list positions) from ``dataset`` to the RNG objects it holds."""
     rng_types = _rng_types()
     found: list[_Path] = []
