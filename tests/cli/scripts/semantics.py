@@ -12,7 +12,7 @@ model = torch.nn.Linear(3, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 train = torch.utils.data.DataLoader(torch.arange(8.0).view(4, 2), batch_size=2, num_workers=1)
 val = torch.utils.data.DataLoader(torch.arange(6.0), batch_size=3)
-for epoch in range(2):
+for _epoch in range(2):
     for xb in train:
         opt.zero_grad()
         model(torch.cat([xb, xb[:, :1]], 1)).sum().backward()
