@@ -276,10 +276,10 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
 
     >>> import tempfile, torch, torchrepro
     >>> model = torch.nn.Linear(2, 1)
-    >>> d = tempfile.mkdtemp()
-    >>> path = torchrepro.save_checkpoint(f"{d}/step-10.pt", model=model, step=10)
-    >>> torchrepro.load_checkpoint(path, model=model)
-    {'step': 10}
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = torchrepro.save_checkpoint(f"{d}/step-10.pt", model=model, step=10)
+    ...     torchrepro.latest_checkpoint(d) == path, torchrepro.load_checkpoint(path, model=model)
+    (True, {'step': 10})
     """
     from torchrepro.rng import RngState
 
