@@ -4,7 +4,9 @@ Same dataset for both (32x32x3 uint8 images; NumPy reflect-pad + random crop, ra
 Gaussian noise from NumPy's global RNG, as a plain PyTorch user writes it), num_workers 0 and 2,
 runs alternated in one process (order flipped every repeat) so machine load hits both alike.
 Workers are persistent and warmed up, so the figures are steady-state samples per second.
-Prints samples/s of both, and the ratio SeededLoader / DataLoader of the medians.
+Prints samples/s of both, the ratio SeededLoader / DataLoader of the medians (and for
+num_workers=0 the same ratio in process CPU time, which competing processes disturb less), and
+what the per-sample seeding calls cost on their own: the floor of the overhead.
 
     python benchmarks/loader_throughput.py [--samples 4096] [--batch-size 64] [--repeats 7]
 """
@@ -46,13 +48,17 @@ class AugmentedImages(Dataset[tuple[torch.Tensor, int]]):
         return torch.from_numpy(np.ascontiguousarray(out.transpose(2, 0, 1))), self.labels[index]
 
 
-def one_pass(loader: Any) -> float:
-    """Samples per second of one full pass."""
+def one_pass(loader: Any) -> tuple[float, float]:
+    """Samples per second of one full pass: wall clock, and this process's CPU time.
+
+    With num_workers=0 all the work is in this process, so the CPU-time rate is the figure that
+    other processes competing for the cores disturb least.
+    """
     samples = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for images, _ in loader:
         samples += len(images)
-    return samples / (time.perf_counter() - start)
+    return samples / (time.perf_counter() - start), samples / (time.process_time() - cpu)
 
 
 def seeding_cost_us() -> dict[str, float]:
@@ -92,7 +98,8 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.samples} samples, "
         f"batch {args.batch_size}, {args.repeats} alternating repeats (median)"
     )
-    print(f"{'num_workers':>11}  {'DataLoader':>14}  {'SeededLoader':>14}  {'ratio':>6}")
+    header = ("num_workers", "DataLoader", "SeededLoader", "ratio", "CPU-time ratio")
+    print("{:>11}  {:>14}  {:>14}  {:>6}  {:>14}".format(*header))
     ratios = []
     for num_workers in (0, 2):
         extra: dict[str, Any] = {"persistent_workers": True} if num_workers else {}
@@ -108,15 +115,21 @@ def main() -> None:
             dataset, batch_size=args.batch_size, seed=0, num_workers=num_workers, **extra
         )
         one_pass(plain), one_pass(seeded)  # warm up (start persistent workers, caches)
-        rates: dict[str, list[float]] = {"plain": [], "seeded": []}
+        rates: dict[str, list[tuple[float, float]]] = {"plain": [], "seeded": []}
         for repeat in range(args.repeats):
             order = [("plain", plain), ("seeded", seeded)]
             for name, loader in order if repeat % 2 == 0 else order[::-1]:
                 rates[name].append(one_pass(loader))
-        plain_rate, seeded_rate = statistics.median(rates["plain"]), statistics.median(rates["seeded"])
+        plain_rate, seeded_rate = (statistics.median(r[0] for r in rates[k]) for k in ("plain", "seeded"))
         ratio = seeded_rate / plain_rate
         ratios.append(ratio)
-        print(f"{num_workers:>11}  {plain_rate:>10.0f} s/s  {seeded_rate:>10.0f} s/s  {ratio:>6.3f}")
+        cpu = "(workers)"
+        if num_workers == 0:
+            plain_cpu, seeded_cpu = (statistics.median(r[1] for r in rates[k]) for k in ("plain", "seeded"))
+            cpu = f"{seeded_cpu / plain_cpu:.3f}"
+        print(
+            f"{num_workers:>11}  {plain_rate:>10.0f} s/s  {seeded_rate:>10.0f} s/s  {ratio:>6.3f}  {cpu:>14}"
+        )
         del plain, seeded  # shut persistent workers down before the next configuration
     cost = seeding_cost_us()
     parts = ", ".join(f"{name} {us:.1f}" for name, us in cost.items())
