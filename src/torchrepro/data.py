@@ -452,7 +452,7 @@ class _SeededLoaderIter:
         batch = next(self._inner)
         self._received += 1
         loader = self._loader
-        if loader._pass_id is self._pass_id:  # a later pass or load_state_dict took over
+        if loader._pass_id is self._pass_id:  # unless a later pass, set_epoch or load_state_dict
             loader._batches = self._received
         return batch
 
@@ -478,6 +478,7 @@ class SeededLoader(DataLoader[Any]):
       ``collate_fn`` runs seeded from ``derive_seed(seed, "batch", e, batch_index)``. A dataset
       with ``__getitems__`` loads whole batches, seeded per batch. In the main process the global
       RNG states are put back after each batch: loading never moves the model's RNG stream.
+      CUDA generators are not seeded per sample: draw augmentation randomness on the CPU.
     - **Guarantee**: the batches of every epoch are bitwise identical for any ``num_workers``,
       ``persistent_workers``, ``prefetch_factor``, start method and ``pin_memory``.
     - **Resume**: :meth:`state_dict` (JSON) records the position as the batches the training loop
