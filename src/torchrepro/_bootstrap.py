@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import torchrepro.launch as _launch
+import torchrepro.record as _record
 from torchrepro.record import Recorder, events_path, install_hooks
 
 
@@ -105,6 +106,7 @@ class _Session:
 
             self.tracer = Tracer(f"{self.trace_out}.rank{self.rank}")
             self.tracer.start()
+            _record.trace_pause = getattr(self.tracer, "paused", None)
         except Exception as exc:  # locating is best effort: never break the run
             print(f"torchrepro bootstrap: op tracing unavailable: {exc}", file=sys.stderr)
             self.trace_out = None
@@ -112,6 +114,7 @@ class _Session:
 
     def _stop_tracer(self) -> None:
         tracer, self.tracer = self.tracer, None
+        _record.trace_pause = None
         if tracer is not None:
             try:
                 tracer.stop()

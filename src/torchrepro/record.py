@@ -18,6 +18,7 @@ A run record is a directory (default ``.torchrepro/runs/<id>/``) holding ``comma
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -45,6 +46,16 @@ EVENT_KINDS = ("init", "data", "compute", "record")
 _VALUES_MAX_DEFAULT = 64
 
 _active: Recorder | None = None
+
+trace_pause: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+"""Set by the bootstrap while an op tracer runs: a context manager pausing it. DataLoader fetches
+and the recorder's own fingerprinting run under it, so a trace holds only the script's compute
+(the main thread's ops that rebuild batches from worker processes vary with timing)."""
+
+
+def _paused() -> contextlib.AbstractContextManager[Any]:
+    pause = trace_pause
+    return contextlib.nullcontext() if pause is None else pause()
 
 
 def new_run_id() -> str:
@@ -151,7 +162,8 @@ class Recorder:
 
     def write(self, kind: str, key: str, step: int, value: Any) -> None:
         """Fingerprint ``value`` and append one event."""
-        fp, leaves = _digest(value, self.values_max)
+        with _paused():
+            fp, leaves = _digest(value, self.values_max)
         event = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp, "t": leaves}
         line = json.dumps(event, separators=(",", ":")) + "\n"
         with self._lock:
@@ -259,8 +271,7 @@ def install_hooks(
 
     if num_workers is not None:
         _patch_num_workers(dl.DataLoader, num_workers)
-    if recorder is not None:
-        _patch_loader_iteration(dl, recorder)
+    _patch_loader_iteration(dl, recorder)
 
 
 _counters: dict[str, int] = {}
@@ -290,16 +301,17 @@ def _patch_num_workers(loader_cls: type, mapping: Callable[[int], int]) -> None:
     loader_cls.__init__ = init_wrapper  # type: ignore[misc]
 
 
-def _patch_loader_iteration(dl: Any, recorder: Recorder) -> None:
+def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
     loader_cls = dl.DataLoader
     iter_cls = dl._BaseDataLoaderIter
     original_iter = loader_cls.__iter__
     original_next = iter_cls.__next__
 
     def iter_wrapper(self: Any) -> Any:
-        it = original_iter(self)
+        with _paused():
+            it = original_iter(self)
         key = self.__dict__.get("_torchrepro_loader")
-        if key is None:
+        if key is None and recorder is not None:
             key = recorder.n_loaders
             recorder.n_loaders += 1
             recorder.loader_batches[key] = 0
@@ -308,9 +320,10 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder) -> None:
         return it
 
     def next_wrapper(self: Any) -> Any:
-        batch = original_next(self)
+        with _paused():
+            batch = original_next(self)
         key = self.__dict__.get("_torchrepro_loader")
-        if key is not None:
+        if key is not None and recorder is not None:
             index = recorder.loader_batches.get(key, 0)
             recorder.loader_batches[key] = index + 1
             recorder.write("data", f"loader{key}", index, batch)
