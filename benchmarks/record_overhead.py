@@ -1,0 +1,105 @@
+"""Claim: recording a run (``torchrepro run``: a fingerprint of every batch and of the parameters
+after every optimizer step, appended to the events file) costs at most ~1.10x the plain loop.
+
+Run: ``python benchmarks/record_overhead.py [--samples 4096] [--repeats 3] [--workers 2]``.
+
+Side by side in one run, interleaved, each in a fresh process with the same settings (seed 0,
+strict mode, same threads, same PYTHONHASHSEED):
+- plain: ``python`` running the training loop of ``examples/digits_train.py`` (it seeds and sets
+  the switches itself, as the bootstrap would);
+- recorded: the same loop under the bootstrap with recording on (``TORCHREPRO_RECORD_DIR``).
+It reports the training-loop time (median over ``--repeats``; imports and start-up excluded) and
+the whole-process wall time, and their ratios. The machine may be shared: compare in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(samples: int, workers: int, epochs: int, plain: bool) -> None:
+    import torch
+    from torch.nn import functional as F
+
+    if plain:
+        from torchrepro import seed_everything, set_determinism
+
+        seed_everything(0)
+        set_determinism("strict")
+    sys.path.insert(0, str(ROOT / "examples"))
+    from digits_train import Digits, Net
+
+    loader = torch.utils.data.DataLoader(Digits(samples), batch_size=32, shuffle=True, num_workers=workers)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    start = time.perf_counter()
+    for _ in range(epochs):
+        for images, labels in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(images), labels).backward()
+            opt.step()
+    print(f"LOOP {time.perf_counter() - start:.6f} steps {epochs * len(loader)}")
+
+
+def measure(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    start = time.perf_counter()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    loop = float(next(x for x in out.stdout.splitlines() if x.startswith("LOOP")).split()[1])
+    return loop, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--child", choices=["plain", "recorded"], default=None)
+    args = parser.parse_args()
+    if args.child:
+        child(args.samples, args.workers, args.epochs, plain=args.child == "plain")
+        return
+
+    from torchrepro.launch import child_env
+
+    me = str(Path(__file__).resolve())
+    opts = ["--samples", str(args.samples), "--epochs", str(args.epochs), "--workers", str(args.workers)]
+    with tempfile.TemporaryDirectory() as tmp:
+        plain_env = child_env(seed=None, base=os.environ, hash_seed=child_env(seed=0)["PYTHONHASHSEED"])
+        plain_env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        results: dict[str, list[tuple[float, float]]] = {"plain": [], "recorded": []}
+        for r in range(args.repeats):
+            results["plain"].append(measure([sys.executable, me, *opts, "--child", "plain"], plain_env))
+            rec_env = child_env(seed=0, mode="strict", record_dir=Path(tmp) / f"run{r}")
+            cmd = [sys.executable, "-m", "torchrepro._bootstrap", me, *opts, "--child", "recorded"]
+            results["recorded"].append(measure(cmd, rec_env))
+    steps = args.epochs * -(-args.samples // 32)
+    print(
+        f"digits CNN, {steps} optimizer steps, batch 32, {args.workers} workers, "
+        f"{args.repeats} repeats (median)"
+    )
+    base_loop = statistics.median(x[0] for x in results["plain"])
+    base_wall = statistics.median(x[1] for x in results["plain"])
+    for name, rows in results.items():
+        loop = statistics.median(x[0] for x in rows)
+        wall = statistics.median(x[1] for x in rows)
+        print(
+            f"{name:>9}: loop {loop:7.3f} s ({1000 * loop / steps:6.2f} ms/step) "
+            f"ratio {loop / base_loop:5.3f}x"
+            f" | process {wall:7.3f} s ratio {wall / base_wall:5.3f}x"
+        )
+    print("target: recorded/plain loop ratio <= 1.10x")
+
+
+if __name__ == "__main__":
+    main()
