@@ -134,3 +134,29 @@ def test_relaunch_reexecs_once_with_a_pinned_hash_seed_and_is_a_no_op_when_in_pl
     plain.write_text('print(hash("reproducible"))\n')
     runs = {_run(plain, env)[-1] for _ in range(2)}
     assert len(runs) == 2
+
+
+def test_relaunch_under_torchrun_reexecs_each_rank_in_place(tmp_path: Path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        "import os, sys\n"
+        "log = open(os.path.join(os.path.dirname(__file__), 'out' + os.environ['RANK']), 'a')\n"
+        "print('top', os.getpid(), file=log, flush=True)\n"
+        "import torchrepro\n"
+        "torchrepro.relaunch(seed=3)\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "print('ready', os.getpid(), os.environ['PYTHONHASHSEED'], dist.get_rank(), file=log, flush=True)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "TORCHREPRO_RELAUNCHED")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    for rank in ("0", "1"):
+        lines = (tmp_path / f"out{rank}").read_text().splitlines()
+        tops = [line.split()[1] for line in lines if line.startswith("top ")]
+        ready = [line.split() for line in lines if line.startswith("ready ")]
+        assert len(tops) == 2 and tops[0] == tops[1]  # one re-exec, same pid: the agent still sees it
+        assert len(ready) == 1, lines
+        assert ready[0][1:] == [tops[0], str(python_hash_seed(3)), rank]  # rank variables kept
