@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -95,6 +96,7 @@ _MAX_PENDING_ATTEMPTS: Final = 8
 # Ops that are bookkeeping, not computation (the profiler's record_function markers).
 _IGNORED_NAMESPACES: Final = ("profiler.",)
 _SHORT_SCALARS: Final = 96
+_PLAIN_TENSOR_TYPES: Final = (torch.Tensor, torch.nn.Parameter)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,13 +194,18 @@ _WRAPPER_PREFIXES: Final[Mapping[str, str]] = {
 }
 
 
+# Caches shared by every recorder (code objects and op overloads are immortal in practice).
+_CODE_KINDS: dict[CodeType, int] = {}
+_OP_NAMES: dict[Any, str] = {}
+
+
 class _Sites:
     """Where an op comes from: the module stack (global forward hooks) and the user's frame."""
 
     def __init__(self) -> None:
         self._stack: list[torch.nn.Module] = []
         self._names: dict[int, tuple[weakref.ref[torch.nn.Module], dict[int, str]]] = {}
-        self._code_kind: dict[CodeType, int] = {}
+        self._code_kind = _CODE_KINDS
         self._display: dict[str, str] = {}
         self._cwd = os.path.normcase(os.getcwd())
         self._handles: list[Any] = []
@@ -404,7 +411,7 @@ class _Observer:
     def __init__(self) -> None:
         self._sites = _Sites()
         self._mode: _Mode | None = None
-        self._names: dict[Any, str] = {}
+        self._names = _OP_NAMES
         self._lock = threading.Lock()  # ops can arrive from other threads (collective callbacks)
         self._thread = threading.get_ident()
 
@@ -548,6 +555,10 @@ class _OpInfo:
     uninit: bool  # its result is uninitialised memory
     written: frozenset[int | str]  # arguments it writes (schema ``(a!)``, plus hidden writes)
     overwritten: frozenset[int | str]  # arguments it writes entirely without reading them
+    view: bool  # its outputs are views of its inputs: their values follow from the inputs' values
+
+
+_OP_INFOS: dict[Any, _OpInfo] = {}
 
 
 def _op_info(func: Any) -> _OpInfo:
@@ -566,7 +577,8 @@ def _op_info(func: Any) -> _OpInfo:
         written.update(i for i, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
     if name in _FULL_WRITE_OPS:
         overwritten.add(0)
-    return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten))
+    view = bool(getattr(func, "is_view", False)) and not written
+    return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten), view)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -587,11 +599,15 @@ def _scalar_text(value: Any) -> str:
     return f"<{type(value).__name__}>"  # opaque objects (process groups, ...): repr has addresses
 
 
+def _short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 def _scalar_token(parts: list[str]) -> str:
     text = "|".join(parts)
     if len(text) <= _SHORT_SCALARS:
         return "s:" + text
-    return "s#" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return "s#" + _short_hash(text)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -609,6 +625,24 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _digest(t: torch.Tensor) -> str:
+    """An exact digest of ``t``'s value (dtype, shape, every byte in row-major order).
+
+    Dense CPU tensors are hashed in place with SHA-1 over their bytes (about twice the throughput
+    of ``fingerprint``'s portable path, and no temporaries); every other kind goes to
+    :func:`torchrepro.fingerprint`, which handles devices, layouts and odd dtypes.
+    """
+    if (
+        t.is_cpu
+        and t.layout == torch.strided
+        and type(t) in _PLAIN_TENSOR_TYPES
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg() or t.is_quantized)
+    ):
+        n = t.numel() * t.element_size()
+        h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode(), usedforsecurity=False)
+        if n:
+            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
+        return h.hexdigest()[:32]
     try:
         return fingerprint(t)
     except (TypeError, ValueError):  # meta/fake tensors and other kinds without readable values
@@ -644,7 +678,7 @@ class Tracer(_Observer):
         self._epochs: dict[int, int] = {}
         self._tainted: dict[int, weakref.ref[torch.Tensor]] = {}
         self._prune_at = 4096
-        self._infos: dict[Any, _OpInfo] = {}
+        self._infos = _OP_INFOS
 
     def start(self) -> None:
         """Start tracing (raises ``TraceError`` if already started)."""
@@ -731,6 +765,11 @@ class Tracer(_Observer):
             self._prune()
         return token
 
+    def _set_token(self, t: torch.Tensor, token: str) -> str:
+        ptr = _storage_ptr(t)
+        self._cache[id(t)] = (weakref.ref(t), _version(t), ptr, self._epochs.get(ptr, 0), token)
+        return token
+
     def _prune(self) -> None:
         self._cache = {k: e for k, e in self._cache.items() if e[0]() is not None}
         self._tainted = {k: r for k, r in self._tainted.items() if r() is not None}
@@ -742,7 +781,9 @@ class Tracer(_Observer):
         elif id(t) in self._tainted:
             del self._tainted[id(t)]
 
-    def _outputs(self, values: list[Any], uninit: bool) -> list[str]:
+    def _outputs(self, values: list[Any], uninit: bool, derived_from: str | None = None) -> list[str]:
+        """Tokens of the op's outputs. ``derived_from`` (for view ops) names the outputs by the op and
+        its input tokens instead of reading their bytes: a view's values are its input's values."""
         tokens: list[str] = []
         scalars: list[str] = []
         seen: set[int] = set()
@@ -751,7 +792,13 @@ class Tracer(_Observer):
                 if id(v) not in seen:  # an in-place op returns the tensor it wrote
                     seen.add(id(v))
                     self._taint(v, uninit)
-                    tokens.append(_UNINIT if uninit else self._token(v))
+                    if uninit:
+                        tokens.append(_UNINIT)
+                    elif derived_from is not None:
+                        text = f"{derived_from}|{len(tokens)}|{tuple(v.shape)}|{v.dtype}"
+                        tokens.append(self._set_token(v, "v" + _short_hash(text)))
+                    else:
+                        tokens.append(self._token(v))
             else:
                 scalars.append(_scalar_text(v))
         if scalars:
@@ -778,7 +825,8 @@ class Tracer(_Observer):
                 if isinstance(t, torch.Tensor):
                     ptr = _storage_ptr(t)
                     self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
-            outputs = self._outputs([out, *written], info.uninit or reads_uninit)
+            derived = f"{name}|{'|'.join(inputs)}" if info.view else None
+            outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
             vi = self._value_index
             self._records.append(
                 [
