@@ -4,7 +4,7 @@ after every optimizer step, appended to the events file) costs at most ~1.10x th
 Run: ``python benchmarks/record_overhead.py [--samples 4096] [--repeats 3] [--workers 2]``.
 
 Side by side in one run, interleaved, each in a fresh process with the same settings (seed 0,
-strict mode, same threads, same PYTHONHASHSEED):
+strict mode, same threads (``--threads``, default 1), same PYTHONHASHSEED):
 - plain: ``python`` running the training loop of ``examples/digits_train.py`` (it seeds and sets
   the switches itself, as the bootstrap would);
 - recorded: the same loop under the bootstrap with recording on (``TORCHREPRO_RECORD_DIR``).
@@ -33,6 +33,7 @@ def child(samples: int, workers: int, epochs: int, plain: bool) -> None:
     if plain:
         from torchrepro import seed_everything, set_determinism
 
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         seed_everything(0)
         set_determinism("strict")
     sys.path.insert(0, str(ROOT / "examples"))
@@ -63,7 +64,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads in both (default 1)")
     parser.add_argument("--child", choices=["plain", "recorded"], default=None)
     args = parser.parse_args()
     if args.child:
@@ -77,15 +79,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         plain_env = child_env(seed=None, base=os.environ, hash_seed=child_env(seed=0)["PYTHONHASHSEED"])
         plain_env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        plain_env["OMP_NUM_THREADS"] = plain_env["MKL_NUM_THREADS"] = str(args.threads)
         results: dict[str, list[tuple[float, float]]] = {"plain": [], "recorded": []}
         for r in range(args.repeats):
             results["plain"].append(measure([sys.executable, me, *opts, "--child", "plain"], plain_env))
-            rec_env = child_env(seed=0, mode="strict", record_dir=Path(tmp) / f"run{r}")
+            rec_env = child_env(seed=0, mode="strict", threads=args.threads, record_dir=Path(tmp) / f"run{r}")
             cmd = [sys.executable, "-m", "torchrepro._bootstrap", me, *opts, "--child", "recorded"]
             results["recorded"].append(measure(cmd, rec_env))
     steps = args.epochs * -(-args.samples // 32)
     print(
-        f"digits CNN, {steps} optimizer steps, batch 32, {args.workers} workers, "
+        f"digits CNN, {steps} optimizer steps, batch 32, {args.workers} workers, {args.threads} thread(s), "
         f"{args.repeats} repeats (median)"
     )
     base_loop = statistics.median(x[0] for x in results["plain"])
