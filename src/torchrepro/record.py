@@ -155,13 +155,16 @@ class Recorder:
         self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
         self._lock = threading.Lock()
         self._seq = 0
+        self._pid = os.getpid()
         self.optimizer_steps: dict[int, int] = {}
         self.loader_batches: dict[int, int] = {}
         self.n_optimizers = 0
         self.n_loaders = 0
 
     def write(self, kind: str, key: str, step: int, value: Any) -> None:
-        """Fingerprint ``value`` and append one event."""
+        """Fingerprint ``value`` and append one event (not from forked DataLoader workers)."""
+        if os.getpid() != self._pid:  # a forked worker inherited the recorder: its order is not ours
+            return
         with _paused():
             fp, leaves = _digest(value, self.values_max)
         event = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp, "t": leaves}
@@ -196,7 +199,8 @@ def record(name: str, value: Any) -> None:
 
     Under ``torchrepro run`` or ``check`` the value's fingerprint becomes a ``record`` event
     (``step`` = optimizer steps completed so far), compared across runs like every other event.
-    Outside a recorded run it does nothing, so a script may call it unconditionally.
+    Outside a recorded run it does nothing, so a script may call it unconditionally; so does a
+    call from a DataLoader worker process (workers run concurrently: their order is not the run's).
 
     >>> record("loss", 0.25)  # plain python: nothing is recorded
     """
