@@ -101,7 +101,6 @@ class _Run:
         self.record_dir.mkdir(parents=True, exist_ok=True)
         self.stdout = open(self.record_dir / "stdout.log", "wb")  # noqa: SIM115
         self.stderr = open(self.record_dir / "stderr.log", "wb")  # noqa: SIM115
-        self.tails = [EventTail(events_path(self.record_dir, r)) for r in range(self.ranks)]
         self.proc = subprocess.Popen(
             self.command,
             env=self.env,
@@ -111,9 +110,13 @@ class _Run:
             start_new_session=True,
         )
 
+    def __post_init__(self) -> None:
+        self.tails = [EventTail(events_path(self.record_dir, r)) for r in range(self.ranks)]
+
     def poll(self) -> bool:
         """Read new events; True once the process has exited (events then complete)."""
-        assert self.proc is not None
+        if self.proc is None:  # not started yet (--serial)
+            return False
         if self.returncode is None:
             self.returncode = self.proc.poll()
         for tail in self.tails:
@@ -202,9 +205,13 @@ def _watch(
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
     stop_early: bool = True,
+    serial: bool = False,
 ) -> tuple[list[tuple[int, Divergence]], list[RankCursor], _Run | None]:
-    """Start the runs, compare live; return (divergences, cursors, failed run or None)."""
-    for run in runs:
+    """Start the runs, compare live; return (divergences, cursors, failed run or None).
+
+    ``serial``: the first run alone, then the others together (compared live against it).
+    """
+    for run in runs[:1] if serial else runs:
         run.start()
     first = runs[0]
     cursors: dict[tuple[int, int], RankCursor] = {}
@@ -216,6 +223,10 @@ def _watch(
     failed: _Run | None = None
     while True:
         done = [run.poll() for run in runs]
+        if serial and done[0] and runs[0].returncode == 0 and runs[-1].proc is None:
+            for run in runs[1:]:
+                run.start()
+            continue
         for run, is_done in zip(runs, done, strict=True):
             if is_done and run.returncode != 0 and failed is None:
                 failed = run
@@ -264,11 +275,14 @@ def check_script(
     vary: str | None = None,
     root: str | os.PathLike[str] = ".torchrepro/checks",
     locate: bool = True,
+    serial: bool = False,
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
 
+    ``serial=True`` runs the first run alone, then the later ones (compared live against it):
+    slower, but only half the processes at a time (a GPU that fits one run, not two).
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -321,7 +335,9 @@ def check_script(
     notes: list[str] = []
     try:
         with terminate_on_signals():
-            divergences, cursors, failed = _watch(all_runs, progress=progress, poll_interval=poll_interval)
+            divergences, cursors, failed = _watch(
+                all_runs, progress=progress, poll_interval=poll_interval, serial=serial
+            )
     finally:
         for run in all_runs:
             run.stop()
@@ -355,6 +371,7 @@ def check_script(
             ranks=ranks,
             progress=progress,
             poll_interval=poll_interval,
+            serial=serial,
         )
         notes.extend(locate_notes)
     result = CheckResult(
@@ -389,6 +406,7 @@ def _locate(
     ranks: int,
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
+    serial: bool = False,
 ) -> tuple[Divergence, list[str]]:
     """Re-run both sides with op tracing at the divergent step; fill op/module/location."""
     try:
@@ -422,7 +440,7 @@ def _locate(
             sides.append(run)
         try:
             divergences, _, failed = _watch(
-                sides, progress=None, poll_interval=poll_interval, stop_early=False
+                sides, progress=None, poll_interval=poll_interval, stop_early=False, serial=serial
             )
         except Exception as exc:
             notes.append(f"locating failed: {type(exc).__name__}: {exc}")

@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-seed", action="store_true", help="run as plain python would")
     p.add_argument("--vary", choices=["workers", "threads", "hashseed"], default=None)
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
+    p.add_argument("--serial", action="store_true", help="run the first run alone, then the others")
     p.add_argument("--json", action="store_true")
     _add_script_args(p)
 
@@ -149,6 +150,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         no_seed=args.no_seed,
         vary=args.vary,
         locate=not args.no_locate,
+        serial=args.serial,
         progress=progress,
     )
     if tty:

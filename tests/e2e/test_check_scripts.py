@@ -124,6 +124,6 @@ def test_a_missing_script_is_exit_2_naming_it(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("n", [1])
-def test_steps_stops_every_run_after_n_optimizer_steps(tmp_path: Path, n: int) -> None:
-    code, verdict, err = check(tmp_path, "--steps", str(n), script("unseeded.py"))
+def test_steps_stops_every_run_after_n_optimizer_steps_also_serially(tmp_path: Path, n: int) -> None:
+    code, verdict, err = check(tmp_path, "--serial", "--steps", str(n), script("unseeded.py"))
     assert (code, verdict["steps_compared"]) == (0, n), err
