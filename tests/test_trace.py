@@ -354,3 +354,18 @@ def test_bad_trace_files_raise_trace_error_naming_the_file(tmp_path: Path) -> No
     broken.write_text(json.dumps({**json.loads(good.read_text()), "records": [[99, 0, 0, [], []]]}))
     with pytest.raises(TraceError, match="malformed"):
         compare_traces(good, broken)
+
+
+def test_compiled_modules_are_recorded_without_dynamo_tracing_the_recorder(
+    monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
+) -> None:
+    """torch.compile during a recording: no warning (filterwarnings=error), modules still named."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # importing dynamo sets it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with OpRecorder() as recorder:
+        compiled = torch.compile(model, backend="eager")
+        compiled(torch.ones(2, 4)).sum().backward()
+    forward = {(e.op, e.module) for e in recorder.events if not e.backward}
+    assert ("aten.addmm.default", "0") in forward
+    assert any(e.op == "aten.relu.default" and e.module == "1" for e in recorder.events)

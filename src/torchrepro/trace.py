@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
@@ -26,6 +27,7 @@ import json
 import os
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -93,6 +95,7 @@ _HIDDEN_WRITES: Final[Mapping[str, tuple[int, ...]]] = {
 # Scalars whose repr is stable across processes.
 _PLAIN_SCALARS: Final = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout)
 _MAX_PENDING_ATTEMPTS: Final = 8
+_COMPILE_HOOKS_WARNING: Final = r"Using `torch.compile\(module\)` when there are global hooks"
 # Ops that are bookkeeping, not computation (the profiler's record_function markers).
 _IGNORED_NAMESPACES: Final = ("profiler.",)
 _SHORT_SCALARS: Final = 96
@@ -372,8 +375,13 @@ def _engine_caller(frame: FrameType | None) -> FrameType | None:
 
 
 class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Hands every op to its owner. Not wrapped in ``torch._dynamo.disable``: that wrapper imports
-    dynamo on first use, which takes seconds and sets ``TORCHINDUCTOR_CACHE_DIR`` in os.environ."""
+    """Hands every op to its owner.
+
+    Not wrapped in ``torch._dynamo.disable`` up front, as torch does for dispatch modes: that
+    wrapper imports dynamo on first use, which takes seconds and sets ``TORCHINDUCTOR_CACHE_DIR``
+    in os.environ. Once dynamo is imported (the script uses ``torch.compile``), the handler is
+    replaced by a dynamo-disabled one, so dynamo never compiles the recorder's own frames.
+    """
 
     def __init__(self, owner: _Observer) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -390,17 +398,34 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        return self._owner._dispatch(func, tuple(args), dict(kwargs) if kwargs else {})
+        if "torch._dynamo" in sys.modules:
+            _hide_from_dynamo()
+        return _handle(self, func, types, args, kwargs)
 
 
-class _DynamoSafeMode(_Mode):  # type: ignore[no-untyped-call]
-    """The same, kept out of dynamo's tracing: used when dynamo is already imported."""
+def _handle(
+    mode: _Mode,
+    func: Any,
+    types: Sequence[type],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+) -> Any:
+    return mode._owner._dispatch(func, tuple(args), dict(kwargs) if kwargs else {})
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return True
 
-    __torch_dispatch__ = _Mode.__torch_dispatch__
+_hidden_from_dynamo = False
+
+
+def _hide_from_dynamo() -> None:
+    """Route ops through a dynamo-disabled handler from now on (dynamo is already imported)."""
+    global _hidden_from_dynamo
+    if _hidden_from_dynamo:
+        return
+    import torch._dynamo
+
+    handler = torch._dynamo.disable(_handle, recursive=True)  # type: ignore[no-untyped-call]
+    _Mode.__torch_dispatch__ = handler  # type: ignore[method-assign]
+    _hidden_from_dynamo = True
 
 
 class _Observer:
@@ -414,6 +439,8 @@ class _Observer:
         self._names = _OP_NAMES
         self._lock = threading.Lock()  # ops can arrive from other threads (collective callbacks)
         self._thread = threading.get_ident()
+        self._pid = os.getpid()  # forked DataLoader workers inherit the mode: they pass ops through
+        self._filter: Any = None
 
     @property
     def active(self) -> bool:
@@ -426,13 +453,24 @@ class _Observer:
         self._sites = _Sites()
         self._sites.install()
         self._thread = threading.get_ident()
-        mode = (_DynamoSafeMode if "torch._dynamo" in sys.modules else _Mode)(self)
+        self._pid = os.getpid()
+        # torch warns that compiled modules see global module hooks twice; ours expect that.
+        warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
+        if "torch._dynamo" in sys.modules:
+            _hide_from_dynamo()
+        mode = _Mode(self)
         try:
             mode.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
             self._sites.remove()
+            self._remove_filter()
             raise
         self._mode = mode
+
+    def _remove_filter(self) -> None:
+        with contextlib.suppress(ValueError):
+            warnings.filters.remove(self._filter)  # type: ignore[attr-defined]
 
     def _stop(self) -> None:
         mode = self._mode
@@ -448,6 +486,7 @@ class _Observer:
             mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
             self._sites.remove()
+            self._remove_filter()
 
     def _op_name(self, func: Any) -> str:
         name = self._names.get(func)
@@ -514,7 +553,7 @@ class OpRecorder(_Observer):
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
+        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or os.getpid() != self._pid:
             return func(*args, **kwargs)
         sites = self._sites
         with self._lock:
@@ -808,7 +847,7 @@ class Tracer(_Observer):
     # -- the op ---------------------------------------------------------------------------------
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting():
+        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or os.getpid() != self._pid:
             return func(*args, **kwargs)
         with self._lock:
             info = self._infos.get(func)
