@@ -4,7 +4,7 @@ Each script is copied into a fresh directory and checked from there (so ``locati
 in real subprocesses (torchrun with gloo for the 2-rank case). Each case is its own negative
 control: the divergence is real (check exits 1), and the test asserts that the op, module and line
 the tool names are those of the one line that makes the runs differ, not a victim downstream.
-The three single-process checks run concurrently to keep the wall time down.
+The four checks run concurrently to keep the wall time down.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ from typing import Any
 import pytest
 
 SCRIPTS = Path(__file__).parent / "locate_scripts"
-CASES = ("dropout_urandom", "pid_factor", "custom_backward_noise")
+CASES: dict[str, tuple[str, ...]] = {
+    "dropout_urandom": (),
+    "pid_factor": (),
+    "custom_backward_noise": (),
+    "ddp_rank1": ("--nproc", "2"),
+}
 
 
 def _line(script: Path, marker: str) -> int:
@@ -59,7 +64,7 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[int, dic
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, dict[str, Any], str]]:
     root = tmp_path_factory.mktemp("locate")
-    procs = {name: _start_check(root / name, name) for name in CASES}
+    procs = {name: _start_check(root / name, name, *extra) for name, extra in CASES.items()}
     return {name: _finish(proc) for name, proc in procs.items()}
 
 
@@ -103,8 +108,10 @@ def test_noise_added_only_in_a_custom_backward_is_located_at_the_backward_line(
     assert (first["module"], first["location"]) == ("Net", expected)
 
 
-def test_two_rank_run_where_only_rank_1_diverges_names_rank_1(tmp_path: Path) -> None:
-    code, verdict, err = _finish(_start_check(tmp_path, "ddp_rank1", "--nproc", "2"))
+def test_two_rank_run_where_only_rank_1_diverges_names_rank_1(
+    verdicts: dict[str, tuple[int, dict[str, Any], str]],
+) -> None:
+    code, verdict, err = verdicts["ddp_rank1"]
     assert (code, verdict["reproducible"]) == (1, False), err[-3000:]
     first = verdict["first_divergence"]
     script = SCRIPTS / "ddp_rank1.py"
