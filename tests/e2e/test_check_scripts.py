@@ -47,7 +47,12 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
     code, verdict, err = check(tmp_path, "--no-seed", script("unseeded.py"))
     assert (code, verdict["reproducible"]) == (1, False), err
     assert verdict["first_divergence"] == {
-        "step": 0, "rank": 0, "kind": "init", "op": None, "module": None, "location": None
+        "step": 0,
+        "rank": 0,
+        "kind": "init",
+        "op": None,
+        "module": None,
+        "location": None,
     }
 
 
