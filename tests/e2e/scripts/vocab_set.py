@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-words = "the quick brown fox jumps over the lazy dog again and again".split()
+words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "again", "and", "again"]
 vocab = {w: i for i, w in enumerate(set(words))}
 ids = torch.tensor([[vocab[w] for w in words[:8]], [vocab[w] for w in words[4:]]])
 torch.manual_seed(0)
