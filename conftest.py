@@ -96,3 +96,8 @@ def _guard_global_state(request: pytest.FixtureRequest) -> Iterator[None]:
         torch.set_rng_state(rng[2])
     if problems:
         pytest.fail("test leaked global state: " + "; ".join(problems), pytrace=False)
+
+
+# Scripts the tests run in subprocesses are not test modules: --doctest-modules must not import
+# them (several exit or train at import time).
+collect_ignore_glob = ["tests/*scripts/*.py"]

@@ -102,11 +102,11 @@ class _Session:
         if self.tracer is not None or self.trace_out is None:
             return
         try:
-            from torchrepro.trace import Tracer  # type: ignore[attr-defined]
+            from torchrepro.trace import Tracer
 
             self.tracer = Tracer(f"{self.trace_out}.rank{self.rank}")
             self.tracer.start()
-            _record.trace_pause = getattr(self.tracer, "paused", None)
+            _record.trace_pause = self.tracer.paused
         except Exception as exc:  # locating is best effort: never break the run
             print(f"torchrepro bootstrap: op tracing unavailable: {exc}", file=sys.stderr)
             self.trace_out = None

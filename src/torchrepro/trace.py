@@ -441,6 +441,16 @@ class _Observer:
         self._thread = threading.get_ident()
         self._pid = os.getpid()  # forked DataLoader workers inherit the mode: they pass ops through
         self._filter: Any = None
+        self._pause_depth = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A block whose ops pass through unrecorded (the bootstrap wraps DataLoader fetches in it)."""
+        self._pause_depth += 1
+        try:
+            yield
+        finally:
+            self._pause_depth -= 1
 
     @property
     def active(self) -> bool:
@@ -847,7 +857,12 @@ class Tracer(_Observer):
     # -- the op ---------------------------------------------------------------------------------
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or os.getpid() != self._pid:
+        if (
+            self._pause_depth
+            or name.startswith(_IGNORED_NAMESPACES)
+            or fingerprinting()
+            or os.getpid() != self._pid
+        ):
             return func(*args, **kwargs)
         with self._lock:
             info = self._infos.get(func)
