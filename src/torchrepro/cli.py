@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 
 import torchrepro
@@ -129,12 +130,18 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     script, module, rest = _script_target(args)
     tty = sys.stderr.isatty()
+    last_line_at = [-1e9]
 
     def progress(p: CheckProgress) -> None:
         if p.phase == "locating":
             line = "locating the first differing op..."
         else:
             line = "steps " + " | ".join(f"run {i + 1}: {s}" for i, s in enumerate(p.steps))
+            if not tty:  # a log, not a live line: one progress line every few seconds is plenty
+                now = time.monotonic()
+                if now - last_line_at[0] < 5.0:
+                    return
+                last_line_at[0] = now
         print(("\r" + line + "\033[K") if tty else line, file=sys.stderr, end="" if tty else "\n", flush=True)
 
     result = check_script(
