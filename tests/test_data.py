@@ -313,6 +313,17 @@ def test_sample_keys_are_derive_seed_of_seed_epoch_index() -> None:
                 assert drawn == float(np.random.default_rng(key).integers(2**62))
 
 
+def test_globals_are_seeded_as_by_the_public_calls() -> None:
+    """The fast per-sample seeding leaves the state random.seed / np.random.seed / manual_seed give."""
+    loader = SeededLoader(Draws(5, use_sample_rng=False), batch_size=5, seed=4, shuffle=False)
+    (batch,) = list(loader)
+    for index, py, npy, th in batch.tolist():
+        key = derive_seed(4, "sample", 0, int(index))
+        assert py == random.Random(key).random()
+        assert npy == np.random.RandomState(key >> 32).rand()
+        assert th == float(torch.rand((), generator=torch.Generator().manual_seed(key)))
+
+
 def test_collate_is_keyed_by_batch(rng_changes_ok: None) -> None:
     batches = list(SeededLoader(Draws(8), batch_size=4, seed=2, collate_fn=collate_with_draw))
     for b, batch in enumerate(batches):
@@ -334,6 +345,7 @@ def test_sample_rng_outside_a_loader_raises() -> None:
 )
 def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
     assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
+    assert _Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
     assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
         seed, "object", epoch, index, "a.0"
     )
