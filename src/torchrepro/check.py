@@ -19,12 +19,19 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from torchrepro._io import atomic_write_json
-from torchrepro.compare import Divergence, EventTail, RankCursor, steps_compared
+from torchrepro.compare import (
+    Divergence,
+    EventTail,
+    RankCursor,
+    locate_in_traces,
+    optimizer_index,
+    steps_compared,
+)
 from torchrepro.launch import (
     build_command,
     check_target,
@@ -386,12 +393,6 @@ def check_script(
     return result
 
 
-def _optimizer_index(key: str | None) -> int:
-    if key and key.startswith("optimizer") and key[len("optimizer") :].isdigit():
-        return int(key[len("optimizer") :])
-    return 0
-
-
 def _locate(
     first: Divergence,
     check_dir: Path,
@@ -409,10 +410,6 @@ def _locate(
     serial: bool = False,
 ) -> tuple[Divergence, list[str]]:
     """Re-run both sides with op tracing at the divergent step; fill op/module/location."""
-    try:
-        from torchrepro.trace import compare_traces  # type: ignore[attr-defined]
-    except ImportError as exc:  # pragma: no cover - trace module missing
-        return first, [f"op tracing unavailable: {exc}"]
     k = first.step
     notes: list[str] = []
     for attempt in range(LOCATE_ATTEMPTS):
@@ -422,7 +419,7 @@ def _locate(
             extra = {
                 "TORCHREPRO_TRACE_STEP": str(k),
                 "TORCHREPRO_TRACE_OUT": os.fspath((base / f"trace-{side}").resolve()),
-                "TORCHREPRO_TRACE_OPTIMIZER": str(_optimizer_index(first.key)),
+                "TORCHREPRO_TRACE_OPTIMIZER": str(optimizer_index(first.key)),
             }
             run = _make_run(
                 index,
@@ -456,26 +453,10 @@ def _locate(
         if not traces:
             notes.append("locating: no op trace was written (op tracing unavailable in this build)")
             return first, notes
-        located = []
-        for r, a, b in traces:
-            try:
-                d = compare_traces(os.fspath(a), os.fspath(b))
-            except Exception as exc:
-                notes.append(
-                    f"locating: comparing the traces of rank {r} failed: {type(exc).__name__}: {exc}"
-                )
-                continue
-            if d is not None:
-                located.append((r, d))
-        if located:
-            r, d = _pick_source(located, prefer_rank=first.rank)
-            return replace(
-                first,
-                rank=r,
-                op=getattr(d, "op", None),
-                module=getattr(d, "module", None),
-                location=getattr(d, "location", None),
-            ), notes
+        located, compare_notes = locate_in_traces(first, traces)
+        notes.extend(f"locating: {note}" for note in compare_notes)
+        if located is not None:
+            return located, notes
         same = not divergences
         what = (
             f"did not diverge at step {k} (intermittent nondeterminism)"
@@ -484,18 +465,3 @@ def _locate(
         )
         notes.append(f"locating attempt {attempt + 1}: the traced re-runs {what}")
     return first, notes
-
-
-def _pick_source(located: list[tuple[int, Any]], *, prefer_rank: int) -> tuple[int, Any]:
-    """Among per-rank op divergences, the source: not a collective, else the preferred rank."""
-
-    def is_collective(d: Any) -> bool:
-        op = str(getattr(d, "op", "") or "")
-        return "c10d" in op or "all_reduce" in op or "allreduce" in op
-
-    non_collective = [(r, d) for r, d in located if not is_collective(d)]
-    pool = non_collective or located
-    for r, d in pool:
-        if r == prefer_rank:
-            return r, d
-    return pool[0]

@@ -25,6 +25,19 @@ def _add_script_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
+def _step_index(text: str) -> int:
+    """argparse type of an optimizer step index: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer >= 0 (an optimizer step index), got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is the first optimizer step), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(
@@ -40,6 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="pin torch/OMP/MKL threads to N")
     p.add_argument("--nproc", type=int, default=None, help="launch N ranks through torchrun")
     p.add_argument("--record", metavar="DIR", default=None, help="write the run record to DIR")
+    p.add_argument(
+        "--trace-step",
+        metavar="K",
+        type=_step_index,
+        default=None,
+        help="also record an op trace of optimizer step K (0-based) in the run record "
+        "(trace-stepK.rankR), so that `torchrepro compare` of two such runs diverging at step K "
+        "names the op, module and line where they part",
+    )
     _add_script_args(p)
 
     p = sub.add_parser("check", help="run a script several times and report the first divergence")
@@ -112,6 +134,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         threads=args.threads,
         nproc=args.nproc,
         record_dir=args.record,
+        trace_step=args.trace_step,
     )
     print(f"torchrepro run: exit code {result.returncode}; record in {result.record_dir}", file=sys.stderr)
     return result.returncode
@@ -198,6 +221,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             print(f"identical: {result.steps_compared} optimizer steps compared")
         else:
             print(f"NOT identical: first divergence: {_render_divergence(data['first_divergence'])}")
+            for note in result.notes:
+                print(f"  {note}")
             if result.tensor is not None:
                 t = result.tensor
                 diff = "not stored (tensor too large)" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"

@@ -7,6 +7,9 @@ Invariants:
 - Across ranks the reported divergence is the earliest by (step, rank) among the ranks' first
   divergences; its ``kind`` is that of the first run's event at that position.
 - Reading is incremental (``EventTail``): a live file is read up to its last complete line.
+- A ``compute`` divergence at step k is located (op, module, line, rank) from op traces of step k
+  (``trace-step<k>.rank<R>`` files, written by ``torchrepro run --trace-step k``) by one code path,
+  ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from torchrepro.errors import ReproError
+from torchrepro.launch import TRACE_PREFIX
 
 __all__ = [
     "Comparison",
@@ -29,9 +34,11 @@ __all__ = [
     "compare_runs",
     "first_divergence",
     "load_run",
+    "locate_in_traces",
 ]
 
 _EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
+_TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,8 @@ class RunRecord:
     events: dict[int, list[dict[str, Any]]]
     env: dict[str, Any] | None
     settings: dict[str, Any] | None
+    traces: dict[int, dict[int, str]] = field(default_factory=dict)
+    """Op trace files: ``{step: {rank: path}}`` (runs recorded with ``--trace-step``)."""
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -188,7 +197,11 @@ def load_run(path: str | os.PathLike[str]) -> RunRecord:
     if not root.is_dir():
         raise ReproError(f"run record not found: {os.fspath(path)!r} is not a directory")
     events: dict[int, list[dict[str, Any]]] = {}
+    traces: dict[int, dict[int, str]] = {}
     for entry in sorted(root.iterdir()):
+        t = _TRACE_RE.match(entry.name)
+        if t:
+            traces.setdefault(int(t.group(1)), {})[int(t.group(2))] = os.fspath(entry)
         m = _EVENTS_RE.match(entry.name)
         if m:
             try:
@@ -205,6 +218,7 @@ def load_run(path: str | os.PathLike[str]) -> RunRecord:
         events=events,
         env=_read_json(root / "env.json"),
         settings=_read_json(root / "settings.json"),
+        traces=traces,
     )
 
 
@@ -236,9 +250,11 @@ class Comparison:
     first_divergence: Divergence | None
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
+    notes: tuple[str, ...] = ()
+    """What locating the source op did or could not do (op traces missing, of another step...)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``compare --json`` object: the check verdict plus ``env_differences`` and ``tensor``."""
+        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
         return {
             "reproducible": self.reproducible,
             "runs": 2,
@@ -246,6 +262,7 @@ class Comparison:
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "env_differences": [_env_diff_dict(d) for d in self.env_differences],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
+            "notes": list(self.notes),
         }
 
 
@@ -303,10 +320,97 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
             env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))  # type: ignore[attr-defined]
         except Exception:  # an unreadable environment must not hide the verdict
             env_differences = []
+    notes: list[str] = []
+    if first is not None and first.kind == "compute":
+        first, notes = _locate_recorded(first, a, b)
     return Comparison(
         reproducible=first is None,
         steps_compared=steps_compared(cursors),
         first_divergence=first,
         env_differences=env_differences,
         tensor=tensor,
+        notes=tuple(notes),
     )
+
+
+def optimizer_index(key: str | None) -> int:
+    """The index of the optimizer an event key names (``optimizer2`` -> 2; anything else -> 0)."""
+    if key and key.startswith("optimizer") and key[len("optimizer") :].isdigit():
+        return int(key[len("optimizer") :])
+    return 0
+
+
+def _traced_optimizer(run: RunRecord) -> int:
+    value = (run.settings or {}).get("trace_optimizer", 0)
+    return value if isinstance(value, int) else 0
+
+
+def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Divergence, list[str]]:
+    """Fill op/module/location of a compute divergence from the runs' op traces of its step."""
+    k = first.step
+    hint = (
+        f"record both runs with `torchrepro run --trace-step {k}` (or use `torchrepro check`) to name the op"
+    )
+    if not a.traces and not b.traces:
+        return first, [f"no op traces recorded; {hint}"]
+    for run in (a, b):
+        if k not in run.traces:
+            held = ", ".join(str(s) for s in sorted(run.traces)) or "none"
+            return first, [f"{run.path} holds op traces of step(s) {held}, not of step {k}; {hint}"]
+    if any(optimizer_index(first.key) != _traced_optimizer(run) for run in (a, b)):
+        return first, [f"the op traces follow another optimizer than {first.key}; {hint}"]
+    ranks = sorted(set(a.traces[k]) & set(b.traces[k]))
+    if first.rank not in ranks:
+        return first, [f"the op traces of step {k} do not cover rank {first.rank}; {hint}"]
+    pairs = [(r, a.traces[k][r], b.traces[k][r]) for r in ranks]
+    located, notes = locate_in_traces(first, pairs)
+    if located is None:
+        notes.append(
+            f"the op traces of step {k} match on every rank: the difference entered outside the traced ops"
+        )
+        return first, notes
+    return located, notes
+
+
+def locate_in_traces(
+    first: Divergence, traces: Sequence[tuple[int, str | os.PathLike[str], str | os.PathLike[str]]]
+) -> tuple[Divergence | None, list[str]]:
+    """Compare per-rank op traces ``(rank, trace_a, trace_b)`` of the step ``first`` diverged at.
+
+    Returns ``first`` with ``op``, ``module``, ``location`` and ``rank`` of the source op filled
+    (None when every pair of traces matches), and notes on what went wrong or what the op did.
+    Among ranks, the source is an op that is not a collective, preferably on ``first.rank``.
+    """
+    from torchrepro.trace import OpDivergence, compare_traces
+
+    notes: list[str] = []
+    located: list[tuple[int, OpDivergence]] = []
+    for r, ta, tb in traces:
+        try:
+            d = compare_traces(ta, tb)
+        except Exception as exc:
+            notes.append(f"comparing the op traces of rank {r} failed: {type(exc).__name__}: {exc}")
+            continue
+        if d is not None:
+            located.append((r, d))
+    if not located:
+        return None, notes
+    r, d = _pick_source(located, prefer_rank=first.rank)
+    if d.note:
+        notes.append(f"source op {d.op}: {d.note}")
+    return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes
+
+
+def _pick_source(located: list[tuple[int, Any]], *, prefer_rank: int) -> tuple[int, Any]:
+    """Among per-rank op divergences, the source: not a collective, else the preferred rank."""
+
+    def is_collective(d: Any) -> bool:
+        op = str(getattr(d, "op", "") or "")
+        return "c10d" in op or "all_reduce" in op or "allreduce" in op
+
+    non_collective = [(r, d) for r, d in located if not is_collective(d)]
+    pool = non_collective or located
+    for r, d in pool:
+        if r == prefer_rank:
+            return r, d
+    return pool[0]

@@ -9,6 +9,8 @@ Invariants:
   as every rank's entry point; each rank records its own events.
 - Every process a launch starts is ended with it: on a signal or an early stop the whole process
   tree is stopped, then killed (torchrun ranks and DataLoader workers included).
+- ``trace_step=k`` traces the ops of optimizer step k into the run record as
+  ``trace-step<k>.rank<R>`` (one file per rank) and notes ``trace_step`` in ``settings.json``.
 - ``relaunch`` re-executes the current process at most once (a marker variable), keeping its pid
   and environment (so a torchrun rank stays the rank its agent watches).
 """
@@ -32,6 +34,7 @@ from torchrepro.seeding import derive_seed, validate_seed
 
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG",
+    "TRACE_PREFIX",
     "RunResult",
     "build_command",
     "child_env",
@@ -44,6 +47,9 @@ __all__ = [
 
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 """The cuBLAS workspace setting that makes cuBLAS deterministic (read once, at CUDA start)."""
+
+TRACE_PREFIX = "trace-step"
+"""Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>`` (the bootstrap adds ``.rank<R>``)."""
 
 MODES = ("strict", "warn", "off")
 _RELAUNCH_MARKER = "TORCHREPRO_RELAUNCHED"
@@ -160,6 +166,20 @@ def new_run_dir(root: str | os.PathLike[str] = ".torchrepro/runs") -> Path:
     raise LaunchError(f"could not create a unique run directory under {base}")  # pragma: no cover
 
 
+def validate_trace_step(step: object) -> int:
+    """Check an optimizer step index to trace: an int >= 0 (``ValueError`` saying so otherwise)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(
+            f"trace_step must be an optimizer step index, an integer >= 0 (0 is the first step), got {step!r}"
+        )
+    return step
+
+
+def trace_prefix(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """Where a run traces step ``step``: the bootstrap writes ``<this>.rank<R>`` for each rank."""
+    return Path(run_dir).resolve() / f"{TRACE_PREFIX}{step}"
+
+
 def write_run_files(run_dir: Path, command: Sequence[str], settings: Mapping[str, Any]) -> None:
     """Write ``command.json`` and ``settings.json`` of a run record."""
     atomic_write_json(run_dir / "command.json", {"argv": list(command), "cwd": os.getcwd()})
@@ -267,17 +287,31 @@ def launch(
     threads: int | None = None,
     nproc: int | None = None,
     record_dir: str | os.PathLike[str] | None = None,
+    trace_step: int | None = None,
 ) -> RunResult:
     """Run a script to completion under the bootstrap with stdio inherited; return its exit code.
 
-    ``record_dir=None`` records into a fresh ``.torchrepro/runs/<id>/``. Ctrl-C and SIGTERM end
-    the whole process tree.
+    ``record_dir=None`` records into a fresh ``.torchrepro/runs/<id>/``. ``trace_step=k`` also
+    records an op trace of optimizer step k (0-based, the first optimizer's) per rank, as
+    ``trace-step<k>.rank<R>`` in the record, so ``torchrepro compare`` can name the op, module and
+    line where two runs part at that step. Ctrl-C and SIGTERM end the whole process tree.
     """
+    if trace_step is not None:
+        trace_step = validate_trace_step(trace_step)
     check_target(script, module)
     run_dir = Path(record_dir) if record_dir is not None else new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(f"{TRACE_PREFIX}*.rank*"):  # a reused record: old traces would mislead
+        stale.unlink()
     command = build_command(script, args, module=module, nproc=nproc)
-    env = child_env(seed=seed, mode=mode, threads=threads, record_dir=run_dir)
+    extra: dict[str, str] = {}
+    if trace_step is not None:
+        extra = {
+            "TORCHREPRO_TRACE_STEP": str(trace_step),
+            "TORCHREPRO_TRACE_OUT": os.fspath(trace_prefix(run_dir, trace_step)),
+            "TORCHREPRO_TRACE_OPTIMIZER": "0",
+        }
+    env = child_env(seed=seed, mode=mode, threads=threads, record_dir=run_dir, extra=extra)
     settings = {
         "seed": seed,
         "mode": mode,
@@ -285,6 +319,8 @@ def launch(
         "nproc": nproc,
         "script": script,
         "module": module,
+        "trace_step": trace_step,
+        "trace_optimizer": None if trace_step is None else 0,
     }
     settings["PYTHONHASHSEED"] = env.get("PYTHONHASHSEED")
     write_run_files(run_dir, command, settings)

@@ -1,0 +1,144 @@
+"""``torchrepro run --trace-step K`` + ``torchrepro compare``: name the op, module and line where runs part.
+
+Four real runs, started together to keep the wall time down, of one small CNN whose dropout is
+re-seeded from ``os.urandom`` before step 2 (``--reseed-at 2``) or not:
+A, B (``torchrepro run``): re-seeded, traced at step 2 -> compare names the dropout op, its module
+and its line. C, D (the library's ``launch``): not re-seeded; C traced at step 1, D untraced ->
+identical (exit 0): the negative control, which also shows that tracing changes no numerics.
+D vs A: diverges at step 2, D holds no trace -> op null and a hint; C vs A: traces of another step
+-> op null and a note saying so. The comparisons run in-process through the CLI's ``main``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from torchrepro.cli import main
+from torchrepro.launch import launch
+
+SCRIPT = Path(__file__).parent / "scripts" / "dropout_reseed.py"
+
+
+def _line(marker: str) -> int:
+    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# locate: {marker}"):
+            return number
+    raise AssertionError(f"{SCRIPT.name} has no line marked {marker!r}")
+
+
+def _compare(capsys: pytest.CaptureFixture[str], a: Path, b: Path, *flags: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["compare", os.fspath(a), os.fspath(b), *flags])
+    return code, capsys.readouterr().out
+
+
+def _compare_json(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple[int, dict[str, Any]]:
+    code, out = _compare(capsys, a, b, "--json")
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be one JSON object:\n{out}"
+    return code, json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("traced_runs")
+    shutil.copy(SCRIPT, root / SCRIPT.name)  # run from its directory: locations are relative
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    cli = [sys.executable, "-m", "torchrepro", "run", "--trace-step", "2", "--record"]
+    procs = {
+        name: subprocess.Popen(
+            [*cli, name, SCRIPT.name, "--reseed-at", "2"],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("A", "B")
+    }
+    codes: dict[str, int] = {}
+
+    def library_run(name: str, trace_step: int | None) -> None:
+        result = launch(os.fspath(root / SCRIPT.name), record_dir=root / name, trace_step=trace_step)
+        codes[name] = result.returncode
+
+    threads = [threading.Thread(target=library_run, args=a) for a in (("C", 1), ("D", None))]
+    for t in threads:
+        t.start()
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"run {name} failed:\n{err[-3000:]}"
+    for t in threads:
+        t.join(timeout=300)
+    assert codes == {"C": 0, "D": 0}
+    return root
+
+
+def test_traced_runs_record_their_trace_and_settings(records: Path) -> None:
+    assert sorted(p.name for p in (records / "A").glob("trace-*")) == ["trace-step2.rank0"]
+    assert sorted(p.name for p in (records / "C").glob("trace-*")) == ["trace-step1.rank0"]
+    assert not list((records / "D").glob("trace-*"))
+    assert json.loads((records / "A" / "settings.json").read_text())["trace_step"] == 2
+    assert json.loads((records / "C" / "settings.json").read_text())["trace_step"] == 1
+    assert json.loads((records / "D" / "settings.json").read_text())["trace_step"] is None
+
+
+def test_compare_of_traced_runs_names_op_module_and_line(
+    records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, verdict = _compare_json(capsys, records / "A", records / "B")
+    assert (code, verdict["reproducible"]) == (1, False), verdict
+    first = verdict["first_divergence"]
+    assert (first["kind"], first["step"], first["rank"]) == ("compute", 2, 0), first
+    assert "bernoulli" in first["op"] or "dropout" in first["op"], first
+    assert first["module"] == "drop"
+    assert first["location"] == f"{SCRIPT.name}:{_line('dropout')}"
+    assert any("random number generator" in note for note in verdict["notes"]), verdict["notes"]
+    code, human = _compare(capsys, records / "A", records / "B")
+    assert code == 1 and f"module drop, location {SCRIPT.name}:{_line('dropout')}" in human, human
+
+
+def test_negative_control_identical_runs_and_runs_without_traces(
+    records: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # no re-seed: identical, although C was traced (at step 1) and D was not
+    code, verdict = _compare_json(capsys, records / "C", records / "D")
+    assert (code, verdict["reproducible"], verdict["first_divergence"]) == (0, True, None), verdict
+    assert verdict["steps_compared"] == 4
+    # D holds no trace: the divergence is found, the op is not, and the report says how to get it
+    code, verdict = _compare_json(capsys, records / "D", records / "A")
+    first = verdict["first_divergence"]
+    assert (code, first["kind"], first["step"]) == (1, "compute", 2), verdict
+    assert (first["op"], first["module"], first["location"]) == (None, None, None)
+    assert any("--trace-step 2" in note for note in verdict["notes"]), verdict["notes"]
+    # traces of another step than the divergent one: op stays null, and the note says which step
+    code, verdict = _compare_json(capsys, records / "C", records / "A")
+    first = verdict["first_divergence"]
+    assert (code, first["kind"], first["step"], first["op"]) == (1, "compute", 2, None), verdict
+    assert any("step(s) 1, not of step 2" in note for note in verdict["notes"]), verdict["notes"]
+    code, human = _compare(capsys, records / "C", records / "A")
+    assert code == 1 and "not of step 2" in human, human
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_launch_rejects_a_bad_trace_step(bad: Any, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="integer >= 0"):
+        launch(str(SCRIPT), trace_step=bad, record_dir=tmp_path / "rec")
+    assert not (tmp_path / "rec").exists()  # rejected before anything was written
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "1.5"])
+def test_cli_trace_step_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--trace-step", bad, str(SCRIPT)])
+    assert exc.value.code == 2
+    assert "--trace-step" in capsys.readouterr().err
