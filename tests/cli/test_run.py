@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,14 @@ def test_run_module_and_plain_python_equivalence(tmp_path: Path) -> None:
 
 def test_compare_two_recorded_runs(tmp_path: Path) -> None:
     script = SCRIPTS / "semantics.py"
-    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
-        proc = torchrepro(tmp_path, "run", "--seed", seed, "--record", name, str(script))
+    with ThreadPoolExecutor(3) as pool:  # three independent runs: start them together
+        runs = list(
+            pool.map(
+                lambda ns: torchrepro(tmp_path, "run", "--seed", ns[1], "--record", ns[0], str(script)),
+                (("a", "1"), ("b", "1"), ("c", "2")),
+            )
+        )
+    for proc in runs:
         assert proc.returncode == 3, proc.stderr
     same = torchrepro(tmp_path, "compare", "a", "b", "--json")
     assert same.returncode == 0, same.stderr
