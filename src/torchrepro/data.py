@@ -403,8 +403,11 @@ class _SeededDataset(Dataset[Any]):
                 samples = dataset.__getitems__([key[2] for key in keys])
             else:
                 samples = []
-                for _, _, index in keys:
-                    s = sample_seed.one(index)
+                # Keys first, in one tight loop: interleaved with the samples (which evict the
+                # caches) each derivation costs several times more.
+                indices = [key[2] for key in keys]
+                one = sample_seed.one
+                for index, s in zip(indices, [one(index) for index in indices], strict=True):
                     seed_globals(s)
                     active.seed, active.rng = s, None
                     if object_seed is not None:
