@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import CodeType, FrameType, TracebackType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
@@ -428,6 +428,9 @@ def _hide_from_dynamo() -> None:
     _hidden_from_dynamo = True
 
 
+_ObserverT = TypeVar("_ObserverT", bound="_Observer")
+
+
 class _Observer:
     """Shared start/stop of the dispatch mode and the module hooks."""
 
@@ -498,6 +501,21 @@ class _Observer:
             self._sites.remove()
             self._remove_filter()
 
+    def start(self) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    def stop(self) -> Any:
+        raise NotImplementedError  # pragma: no cover
+
+    def __enter__(self: _ObserverT) -> _ObserverT:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
     def _op_name(self, func: Any) -> str:
         name = self._names.get(func)
         if name is None:
@@ -551,15 +569,6 @@ class OpRecorder(_Observer):
     def events(self) -> list[OpEvent]:
         """The events returned by the last ``stop()``."""
         return list(self._events)
-
-    def __enter__(self) -> OpRecorder:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
@@ -744,15 +753,6 @@ class Tracer(_Observer):
             self._cache.clear()
             self._tainted.clear()
         return self.path
-
-    def __enter__(self) -> Tracer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def __len__(self) -> int:
         """The number of ops traced so far."""
