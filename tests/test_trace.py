@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -369,3 +371,18 @@ def test_compiled_modules_are_recorded_without_dynamo_tracing_the_recorder(
     forward = {(e.op, e.module) for e in recorder.events if not e.backward}
     assert ("aten.addmm.default", "0") in forward
     assert any(e.op == "aten.relu.default" and e.module == "1" for e in recorder.events)
+
+
+def test_large_digest_is_exact_and_independent_of_hash_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trace_module = sys.modules["torchrepro.trace"]  # the module (the package exports a function)
+    big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: hashed in parallel chunks
+    digest = trace_module._digest(big)
+    assert trace_module._digest(big.clone()) == digest
+    flipped = big.clone()
+    flipped.view(torch.int32)[2_500_000] ^= 1  # one bit, in a later chunk
+    assert trace_module._digest(flipped) != digest
+    monkeypatch.setattr(trace_module, "_pool", ThreadPoolExecutor(max_workers=1))
+    monkeypatch.setattr(trace_module, "_pool_pid", os.getpid())
+    assert trace_module._digest(big) == digest

@@ -30,6 +30,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import CodeType, FrameType, TracebackType
 from typing import Any, Final, TypeVar
@@ -682,6 +683,32 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
+_PARALLEL_DIGEST_BYTES: Final = 4 << 20
+_DIGEST_CHUNK_BYTES: Final = 1 << 20
+_pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads hashing the chunks of large tensors (hashlib releases the GIL); one per process."""
+    global _pool, _pool_pid
+    if _pool is None or _pool_pid != os.getpid():
+        _pool = ThreadPoolExecutor(
+            max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="torchrepro-digest"
+        )
+        _pool_pid = os.getpid()
+    return _pool
+
+
+def _chunks(data: memoryview) -> Iterator[memoryview]:
+    # A fixed chunk size: the digest depends on the bytes only, never on the number of threads.
+    return (data[i : i + _DIGEST_CHUNK_BYTES] for i in range(0, len(data), _DIGEST_CHUNK_BYTES))
+
+
+def _sha1_digest(chunk: memoryview) -> bytes:
+    return hashlib.sha1(chunk, usedforsecurity=False).digest()
+
+
 def _digest(t: torch.Tensor) -> str:
     """An exact digest of ``t``'s value (dtype, shape, every byte in row-major order).
 
@@ -699,7 +726,12 @@ def _digest(t: torch.Tensor) -> str:
         n = t.numel() * t.element_size()
         h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode(), usedforsecurity=False)
         if n:
-            h.update(memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B"))
+            data = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+            if n >= _PARALLEL_DIGEST_BYTES:
+                h.update(b"chunked")
+                h.update(b"".join(_hash_pool().map(_sha1_digest, _chunks(data))))
+            else:
+                h.update(data)
         return h.hexdigest()[:32]
     try:
         return fingerprint(t)
