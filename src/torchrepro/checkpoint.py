@@ -511,13 +511,7 @@ def _validate(payload: Any, path: Path) -> None:
         isinstance(meta.get(k), int) for k in ("saved_at_ns", "sequence", "rank", "world_size")
     ):
         problems.append("'meta' is missing or incomplete")
-    if not isinstance(objects, dict) or not all(
-        isinstance(e, dict)
-        and e.get("kind") in _KIND_WORDS
-        and isinstance(e.get("digest"), str)
-        and "state" in e
-        for e in objects.values()
-    ):
+    if not isinstance(objects, dict) or not all(_valid_entry(e) for e in objects.values()):
         problems.append("'objects' is missing or malformed")
     if (
         not isinstance(rng, dict)

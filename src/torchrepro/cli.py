@@ -107,11 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _not_ready(args: argparse.Namespace) -> int:
-    print(f"torchrepro {args.command}: not available in this build yet", file=sys.stderr)
-    return EXIT_USAGE
-
-
 def _script_target(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
     """(script, module, script args): with ``-m`` the first positional is the module's argument."""
     script, rest = args.script, list(args.args)

@@ -640,14 +640,6 @@ def _op_info(func: Any) -> _OpInfo:
     return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten), view)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
-    return []
-
-
 def _scalar_text(value: Any) -> str:
     if isinstance(value, _PLAIN_SCALARS):
         return repr(value)
@@ -817,10 +809,6 @@ class Tracer(_Observer):
         if index is None:
             index = table[key] = len(table)
         return index
-
-    def _is_tainted(self, t: torch.Tensor) -> bool:
-        ref = self._tainted.get(id(t))
-        return ref is not None and ref() is t
 
     def _token(self, t: torch.Tensor) -> str:
         key = id(t)
