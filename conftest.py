@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from collections.abc import Iterator
@@ -17,30 +18,25 @@ import numpy as np
 import pytest
 import torch
 
+from torchrepro.flags import DeterminismFlags
+
 
 def _flags() -> dict[str, Any]:
+    # DeterminismFlags.capture() reads every switch torchrepro owns (CUBLAS_WORKSPACE_CONFIG is
+    # checked with os.environ); the rest are switches tests may touch that it does not own.
+    flags = DeterminismFlags.capture()
+    switches = {f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}
+    del switches["cublas_workspace_config"]
     return {
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn.deterministic": torch.backends.cudnn.deterministic,
-        "cudnn.benchmark": torch.backends.cudnn.benchmark,
-        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        **switches,
         "mkldnn.enabled": torch.backends.mkldnn.enabled,
         "num_threads": torch.get_num_threads(),
     }
 
 
 def _restore_flags(f: dict[str, Any]) -> None:
-    torch.use_deterministic_algorithms(f["deterministic"], warn_only=f["warn_only"])
-    torch.backends.cudnn.deterministic = f["cudnn.deterministic"]
-    torch.backends.cudnn.benchmark = f["cudnn.benchmark"]
-    torch.backends.cudnn.allow_tf32 = f["cudnn.allow_tf32"]
-    torch.backends.cuda.matmul.allow_tf32 = f["matmul.allow_tf32"]
-    torch.set_float32_matmul_precision(f["float32_matmul_precision"])
-    torch.utils.deterministic.fill_uninitialized_memory = f["fill_uninitialized_memory"]  # type: ignore[attr-defined]
+    switches = {k: v for k, v in f.items() if k not in ("mkldnn.enabled", "num_threads")}
+    DeterminismFlags(**switches, cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG")).restore()
     torch.backends.mkldnn.enabled = f["mkldnn.enabled"]
     torch.set_num_threads(f["num_threads"])
 

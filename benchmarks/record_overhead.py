@@ -77,14 +77,14 @@ def main() -> None:
     me = str(Path(__file__).resolve())
     opts = ["--samples", str(args.samples), "--epochs", str(args.epochs), "--workers", str(args.workers)]
     with tempfile.TemporaryDirectory() as tmp:
-        plain_env = child_env(seed=None, base=os.environ, hash_seed=child_env(seed=0)["PYTHONHASHSEED"])
+        plain_env = child_env(seed=None, base=os.environ, hash_seed=int(child_env(seed=0)["PYTHONHASHSEED"]))
         plain_env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         plain_env["OMP_NUM_THREADS"] = plain_env["MKL_NUM_THREADS"] = str(args.threads)
         results: dict[str, list[tuple[float, float]]] = {"plain": [], "recorded": []}
         for r in range(args.repeats):
             results["plain"].append(measure([sys.executable, me, *opts, "--child", "plain"], plain_env))
             rec_env = child_env(seed=0, mode="strict", threads=args.threads, record_dir=Path(tmp) / f"run{r}")
-            cmd = [sys.executable, "-m", "torchrepro._bootstrap", me, *opts, "--child", "recorded"]
+            cmd = [sys.executable, "-m", "torchrepro._child.bootstrap", me, *opts, "--child", "recorded"]
             results["recorded"].append(measure(cmd, rec_env))
     steps = args.epochs * -(-args.samples // 32)
     print(

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchrepro.trace import OpRecorder, Tracer
+from torchrepro.tracing import OpRecorder, Tracer
 
 
 def small_cnn() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

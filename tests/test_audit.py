@@ -17,18 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchrepro.audit import (
-    _TABLE_FILE,
-    AuditReport,
-    Finding,
-    _documented_items,
-    _load_table,
-    _random_hint,
-    audit_ops,
-    audit_settings,
-)
+from torchrepro._child.hooks import _random_hint
+from torchrepro.audit import AuditReport, Finding, audit_ops, audit_settings
+from torchrepro.audit.rules import _TABLE_FILE, _documented_items, _load_table
 from torchrepro.errors import TraceError
-from torchrepro.trace import OpRecorder
+from torchrepro.tracing import OpRecorder
 
 # --------------------------------------------------------------------------------------------
 # The table is data, kept equal to the installed torch's documentation
@@ -324,7 +317,7 @@ def test_conditions_use_the_calls_the_probe_saw_at_the_same_line() -> None:
 
 
 def test_events_may_be_opevent_objects_and_bad_events_are_named() -> None:
-    from torchrepro.trace import OpEvent
+    from torchrepro.tracing import OpEvent
 
     event = OpEvent("aten.histc.default", "net.h", "t.py:4", False, 2)
     (finding,) = audit_ops([event])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from torchrepro.errors import LaunchError
+from torchrepro.flags import CUBLAS_CONFIGS
 from torchrepro.launch import (
-    CUBLAS_WORKSPACE_CONFIG,
     build_command,
     child_env,
     descendants,
@@ -26,7 +26,7 @@ def test_child_env_sets_process_start_settings_from_the_seed() -> None:
         seed=7, mode="warn", threads=2, record_dir="/r", base={"PATH": "/bin", "TORCHREPRO_X": "1"}
     )
     assert env["PYTHONHASHSEED"] == str(python_hash_seed(7))
-    assert env["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_CONFIGS[0]
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["TORCHREPRO_THREADS"] == "2"
     assert (env["TORCHREPRO_SEED"], env["TORCHREPRO_MODE"], env["TORCHREPRO_RECORD_DIR"]) == (
         "7",
@@ -59,7 +59,7 @@ def test_build_command_plain_and_torchrun() -> None:
     assert build_command("t.py", ["--x"]) == [
         sys.executable,
         "-m",
-        "torchrepro._bootstrap",
+        "torchrepro._child.bootstrap",
         "--",
         "t.py",
         "--x",
@@ -67,7 +67,7 @@ def test_build_command_plain_and_torchrun() -> None:
     cmd = build_command(None, ["a"], module="pkg.train", nproc=2)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd
-    assert cmd[-5:] == ["-m", "torchrepro._bootstrap", "-m", "pkg.train", "a"]
+    assert cmd[-5:] == ["-m", "torchrepro._child.bootstrap", "-m", "pkg.train", "a"]
     with pytest.raises(LaunchError):
         build_command(None)
     with pytest.raises(LaunchError, match="nproc"):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchrepro.errors import TraceError
-from torchrepro.trace import OpEvent, OpRecorder, compare_traces, trace
+from torchrepro.tracing import OpEvent, OpRecorder, compare_traces, trace
 
 HERE = Path(__file__)
 
@@ -283,7 +283,7 @@ def test_a_branch_on_python_state_is_a_structural_divergence(tmp_path: Path) -> 
 
 def test_uninitialised_memory_is_never_compared_as_data(tmp_path: Path) -> None:
     """Negative control: the raw contents ``torch.empty`` returns differ from run to run."""
-    from torchrepro.fingerprint import fingerprint
+    from torchrepro.hashing import fingerprint
 
     raw = []
 
@@ -376,13 +376,13 @@ def test_compiled_modules_are_recorded_without_dynamo_tracing_the_recorder(
 def test_large_digest_is_exact_and_independent_of_hash_threads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    trace_module = sys.modules["torchrepro.trace"]  # the module (the package exports a function)
+    hashing = sys.modules["torchrepro.hashing"]  # the module holding the digests and the pool
     big = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: hashed in parallel chunks
-    digest = trace_module._digest(big)
-    assert trace_module._digest(big.clone()) == digest
+    digest = hashing.exact_digest(big)
+    assert hashing.exact_digest(big.clone()) == digest
     flipped = big.clone()
     flipped.view(torch.int32)[2_500_000] ^= 1  # one bit, in a later chunk
-    assert trace_module._digest(flipped) != digest
-    monkeypatch.setattr(trace_module, "_pool", ThreadPoolExecutor(max_workers=1))
-    monkeypatch.setattr(trace_module, "_pool_pid", os.getpid())
-    assert trace_module._digest(big) == digest
+    assert hashing.exact_digest(flipped) != digest
+    monkeypatch.setattr(hashing, "_pool", ThreadPoolExecutor(max_workers=1))
+    monkeypatch.setattr(hashing, "_pool_pid", os.getpid())
+    assert hashing.exact_digest(big) == digest

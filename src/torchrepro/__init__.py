@@ -1,64 +1,75 @@
 """torchrepro: bit-for-bit reproducible PyTorch training, and where and why runs part.
 
-Importing torchrepro imports torch and the standard library only (NumPy when installed);
-optional extras are imported lazily by the functions that need them.
+Invariants: ``import torchrepro`` imports nothing beyond the standard library until a name is
+used; each public name loads the one submodule that holds it (PEP 562 ``__getattr__``), so
+importing one part (``torchrepro.data``, ``torchrepro.seeding``) never pulls in another part's
+dependencies (the tracing package and torch's dispatch internals load only for ``trace``).
+``__all__`` is the public API contract (``docs/architecture.md``) plus the error classes.
 """
 
-from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script
-from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from torchrepro.data import SeededLoader, sample_rng
-from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env
-from torchrepro.errors import (
-    CheckpointError,
-    DataLoaderStateError,
-    DeterminismError,
-    EnvFileError,
-    LaunchError,
-    ReproError,
-    ReproWarning,
-    RngStateError,
-    TraceError,
-)
-from torchrepro.fingerprint import fingerprint
-from torchrepro.flags import DeterminismFlags, StatusReport, reproducible, set_determinism, status
-from torchrepro.launch import relaunch
-from torchrepro.record import record
-from torchrepro.rng import RngState, fork_rng
-from torchrepro.seeding import derive_seed, seed_everything
-from torchrepro.trace import compare_traces, trace
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrepro._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script  # noqa: F401
+    from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from torchrepro.data import SeededLoader, sample_rng
+    from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env  # noqa: F401
+    from torchrepro.errors import (
+        CheckpointError,
+        DataLoaderStateError,
+        DeterminismError,
+        EnvFileError,
+        LaunchError,
+        LoaderConfigError,
+        ReproError,
+        ReproWarning,
+        RngStateError,
+        SettingsError,
+        TraceError,
+        UnsupportedDatasetError,
+    )
+    from torchrepro.flags import (  # noqa: F401
+        DeterminismFlags,
+        StatusReport,
+        reproducible,
+        set_determinism,
+        status,
+    )
+    from torchrepro.hashing import fingerprint
+    from torchrepro.launch import relaunch
+    from torchrepro.recorder import record
+    from torchrepro.rng import RngState, fork_rng
+    from torchrepro.seeding import derive_seed, seed_everything
+    from torchrepro.tracing import compare_traces, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuditReport",
     "CheckpointError",
     "DataLoaderStateError",
     "DeterminismError",
     "DeterminismFlags",
-    "EnvDifference",
     "EnvFileError",
-    "Environment",
-    "Finding",
     "LaunchError",
+    "LoaderConfigError",
     "ReproError",
     "ReproWarning",
     "RngState",
     "RngStateError",
     "SeededLoader",
-    "StatusReport",
+    "SettingsError",
     "TraceError",
-    "__version__",
-    "audit_ops",
-    "audit_script",
-    "collect_env",
+    "UnsupportedDatasetError",
     "compare_traces",
     "derive_seed",
-    "diff_env",
     "fingerprint",
     "fork_rng",
     "latest_checkpoint",
     "load_checkpoint",
-    "load_env",
     "record",
     "relaunch",
     "reproducible",
@@ -69,3 +80,56 @@ __all__ = [
     "status",
     "trace",
 ]
+
+# name -> the submodule that holds it. The names after the contract stay importable from the
+# top level for convenience (they are documented in their modules), but are not in __all__.
+_WHERE = {
+    **dict.fromkeys(
+        [
+            "CheckpointError",
+            "DataLoaderStateError",
+            "DeterminismError",
+            "EnvFileError",
+            "LaunchError",
+            "LoaderConfigError",
+            "ReproError",
+            "ReproWarning",
+            "RngStateError",
+            "SettingsError",
+            "TraceError",
+            "UnsupportedDatasetError",
+        ],
+        "errors",
+    ),
+    "DeterminismFlags": "flags",
+    "reproducible": "flags",
+    "set_determinism": "flags",
+    "status": "flags",
+    "StatusReport": "flags",
+    "RngState": "rng",
+    "fork_rng": "rng",
+    "SeededLoader": "data",
+    "sample_rng": "data",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "derive_seed": "seeding",
+    "seed_everything": "seeding",
+    "fingerprint": "hashing",
+    "record": "recorder",
+    "relaunch": "launch",
+    "compare_traces": "tracing",
+    "trace": "tracing",
+    "AuditReport": "audit",
+    "Finding": "audit",
+    "audit_ops": "audit",
+    "audit_script": "audit",
+    "EnvDifference": "env",
+    "Environment": "env",
+    "collect_env": "env",
+    "diff_env": "env",
+    "load_env": "env",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, [*__all__, "__version__"])

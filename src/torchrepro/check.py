@@ -23,26 +23,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from torchrepro._io import atomic_write_json
+from torchrepro import runrecord
+from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.compare import (
     Divergence,
-    EventTail,
     RankCursor,
     locate_in_traces,
     optimizer_index,
     steps_compared,
 )
+from torchrepro.errors import SettingsError
 from torchrepro.launch import (
     build_command,
     check_target,
-    child_env,
     kill_tree,
-    new_run_dir,
-    python_hash_seed,
+    run_settings,
     terminate_on_signals,
-    write_run_files,
 )
-from torchrepro.record import events_path
+from torchrepro.runrecord import EventTail
 
 __all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
 
@@ -106,8 +104,8 @@ class _Run:
 
     def start(self) -> None:
         self.record_dir.mkdir(parents=True, exist_ok=True)
-        self.stdout = open(self.record_dir / "stdout.log", "wb")  # noqa: SIM115
-        self.stderr = open(self.record_dir / "stderr.log", "wb")  # noqa: SIM115
+        self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
+        self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.command,
             env=self.env,
@@ -118,7 +116,7 @@ class _Run:
         )
 
     def __post_init__(self) -> None:
-        self.tails = [EventTail(events_path(self.record_dir, r)) for r in range(self.ranks)]
+        self.tails = [EventTail(runrecord.events_path(self.record_dir, r)) for r in range(self.ranks)]
 
     def poll(self) -> bool:
         """Read new events; True once the process has exited (events then complete)."""
@@ -147,7 +145,7 @@ class _Run:
 
     def stderr_tail(self, lines: int = 25) -> str:
         try:
-            text = (self.record_dir / "stderr.log").read_text(encoding="utf-8", errors="replace")
+            text = (self.record_dir / runrecord.STDERR_FILE).read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
         rows = text.rstrip().splitlines()
@@ -160,50 +158,23 @@ class _Run:
         return "\n".join(rows[start:])
 
 
-def _vary_settings(
-    vary: str | None, index: int, *, seed: int, threads: int | None
-) -> tuple[int | None, int | None, dict[str, str]]:
-    """(threads, hash_seed, extra env) of run ``index`` under ``--vary``."""
+def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> ChildSpec:
+    """The spec of run ``index``: ``base`` with what ``--vary`` changes in later runs."""
     if vary is None:
-        return threads, None, {}
+        return base
     if vary == "threads":
-        first = threads or 1
-        return (first if index == 0 else (2 if first == 1 else 1)), None, {}
+        first = base.threads or 1
+        return base.replace(threads=first if index == 0 else (2 if first == 1 else 1))
     if vary == "hashseed":
-        return threads, python_hash_seed(seed, "vary", index), {}
+        return base.replace(hash_seed=python_hash_seed(seed, "vary", index))
     if vary == "workers":
-        return threads, None, ({"TORCHREPRO_NUM_WORKERS": "other"} if index > 0 else {})
-    raise ValueError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
+        return base.replace(num_workers="other") if index > 0 else base
+    raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
 
 
-def _make_run(
-    index: int,
-    record_dir: Path,
-    command: list[str],
-    *,
-    seed: int,
-    mode: str,
-    threads: int | None,
-    no_seed: bool,
-    vary: str | None,
-    steps: int | None,
-    ranks: int,
-    extra: dict[str, str] | None = None,
-) -> _Run:
-    run_threads, hash_seed, vary_env = _vary_settings(vary, index, seed=seed, threads=threads)
-    env_extra = dict(vary_env)
-    if steps is not None:
-        env_extra["TORCHREPRO_MAX_STEPS"] = str(steps)
-    env_extra.update(extra or {})
-    env = child_env(
-        seed=None if no_seed else seed,
-        mode=mode,
-        threads=run_threads,
-        record_dir=record_dir.resolve(),
-        hash_seed=hash_seed,
-        extra=env_extra,
-    )
-    return _Run(index=index, record_dir=record_dir, command=command, env=env, ranks=ranks)
+def _make_run(index: int, record_dir: Path, command: list[str], spec: ChildSpec, *, ranks: int) -> _Run:
+    spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
+    return _Run(index=index, record_dir=record_dir, command=command, env=spec.to_env(), ranks=ranks)
 
 
 def _watch(
@@ -278,6 +249,7 @@ def check_script(
     seed: int = 0,
     mode: str = "strict",
     threads: int | None = None,
+    cpu_capability: str | None = None,
     no_seed: bool = False,
     vary: str | None = None,
     root: str | os.PathLike[str] = ".torchrepro/checks",
@@ -294,50 +266,29 @@ def check_script(
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
     if runs < 2:
-        raise ValueError(f"runs must be >= 2 to compare anything, got {runs}")
+        raise SettingsError(f"runs must be >= 2 to compare anything, got {runs}")
     if steps is not None and steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+        raise SettingsError(f"steps must be >= 1, got {steps}")
     if vary is not None and vary not in VARY_CHOICES:
-        raise ValueError(f"vary must be one of {VARY_CHOICES}, got {vary!r}")
+        raise SettingsError(f"vary must be one of {VARY_CHOICES}, got {vary!r}")
+    base = ChildSpec(
+        cpu_capability=cpu_capability,
+        seed=None if no_seed else seed,
+        mode=None if no_seed else mode,
+        threads=threads,
+        max_steps=steps,
+    )
     check_target(script, module)
-    check_dir = new_run_dir(root)
-    command = build_command(script, args, module=module, nproc=nproc)
+    command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
+    check_dir = runrecord.new_run_dir(root)
     ranks = nproc or 1
-    settings = {
-        "seed": None if no_seed else seed,
-        "mode": None if no_seed else mode,
-        "threads": threads,
-        "nproc": nproc,
-        "steps": steps,
-        "vary": vary,
-        "script": script,
-        "module": module,
-    }
-    all_runs = [
-        _make_run(
-            i,
-            check_dir / f"run{i}",
-            command,
-            seed=seed,
-            mode=mode,
-            threads=threads,
-            no_seed=no_seed,
-            vary=vary,
-            steps=steps,
-            ranks=ranks,
-        )
-        for i in range(runs)
-    ]
+    specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
+    all_runs = [_make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks) for i in range(runs)]
     for run in all_runs:
-        write_run_files(
+        runrecord.write_run_files(
             run.record_dir,
             command,
-            {
-                **settings,
-                "run": run.index,
-                "PYTHONHASHSEED": run.env.get("PYTHONHASHSEED"),
-                "OMP_NUM_THREADS": run.env.get("OMP_NUM_THREADS"),
-            },
+            run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
     notes: list[str] = []
     try:
@@ -359,7 +310,7 @@ def check_script(
             returncode=failed.returncode,
             stderr_tail=failed.stderr_tail(),
         )
-        atomic_write_json(check_dir / "verdict.json", result.to_dict())
+        runrecord.write_verdict(check_dir, result.to_dict())
         return result
     other, first = divergences[0] if divergences else (1, None)
     if first is not None and first.kind == "compute" and locate:
@@ -369,12 +320,7 @@ def check_script(
             first,
             check_dir,
             command,
-            other_index=other,
-            seed=seed,
-            mode=mode,
-            threads=threads,
-            no_seed=no_seed,
-            vary=vary,
+            (specs[0], specs[other]),
             ranks=ranks,
             progress=progress,
             poll_interval=poll_interval,
@@ -389,7 +335,7 @@ def check_script(
         check_dir=os.fspath(check_dir),
         notes=tuple(notes),
     )
-    atomic_write_json(check_dir / "verdict.json", {**result.to_dict(), "notes": list(notes)})
+    runrecord.write_verdict(check_dir, {**result.to_dict(), "notes": list(notes)})
     return result
 
 
@@ -397,13 +343,8 @@ def _locate(
     first: Divergence,
     check_dir: Path,
     command: list[str],
+    specs: tuple[ChildSpec, ChildSpec],
     *,
-    other_index: int,
-    seed: int,
-    mode: str,
-    threads: int | None,
-    no_seed: bool,
-    vary: str | None,
     ranks: int,
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
@@ -415,26 +356,14 @@ def _locate(
     for attempt in range(LOCATE_ATTEMPTS):
         base = check_dir / f"locate{attempt}"
         sides = []
-        for side, index in (("a", 0), ("b", other_index)):
-            extra = {
-                "TORCHREPRO_TRACE_STEP": str(k),
-                "TORCHREPRO_TRACE_OUT": os.fspath((base / f"trace-{side}").resolve()),
-                "TORCHREPRO_TRACE_OPTIMIZER": str(optimizer_index(first.key)),
-            }
-            run = _make_run(
-                index,
-                base / f"run-{side}",
-                command,
-                seed=seed,
-                mode=mode,
-                threads=threads,
-                no_seed=no_seed,
-                vary=vary,
-                steps=k + 1,
-                ranks=ranks,
-                extra=extra,
+        for side, (index, spec) in zip("ab", enumerate(specs), strict=True):
+            traced = spec.replace(
+                max_steps=k + 1,
+                trace_step=k,
+                trace_out=os.fspath((base / f"trace-{side}").resolve()),
+                trace_optimizer=optimizer_index(first.key),
             )
-            sides.append(run)
+            sides.append(_make_run(index, base / f"run-{side}", command, traced, ranks=ranks))
         try:
             divergences, _, failed = _watch(
                 sides, progress=None, poll_interval=poll_interval, stop_early=False, serial=serial
@@ -448,7 +377,10 @@ def _locate(
         if failed is not None:
             notes.append(f"locating: the traced re-run failed with exit code {failed.returncode}")
             return first, notes
-        traces = [(r, base / f"trace-a.rank{r}", base / f"trace-b.rank{r}") for r in range(ranks)]
+        traces = [
+            (r, runrecord.trace_path(base / "trace-a", r), runrecord.trace_path(base / "trace-b", r))
+            for r in range(ranks)
+        ]
         traces = [(r, a, b) for r, a, b in traces if a.exists() and b.exists()]
         if not traces:
             notes.append("locating: no op trace was written (op tracing unavailable in this build)")

@@ -21,9 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import ctypes
 import hashlib
 import os
 import platform
@@ -41,9 +39,10 @@ from typing import Any
 
 import torch
 
-from torchrepro import _io
+from torchrepro import _io, hashing
 from torchrepro.errors import CheckpointError, ReproError, ReproWarning, warn_once
-from torchrepro.fingerprint import fingerprint
+from torchrepro.flags import DeterminismFlags
+from torchrepro.hashing import fingerprint
 
 __all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -198,20 +197,21 @@ def _refuse(obj: Any, name: str, key: str, what: str) -> None:
 def _distributed() -> tuple[int, int]:
     """``(rank, world_size)``; ``(0, 1)`` outside an initialised process group."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():  # type: ignore[no-untyped-call]
+    if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _determinism_switches() -> dict[str, Any]:
+    flags = DeterminismFlags.capture()
     return {
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn.deterministic": bool(torch.backends.cudnn.deterministic),
-        "cudnn.benchmark": bool(torch.backends.cudnn.benchmark),
-        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-        "cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": flags.deterministic_algorithms,
+        "deterministic_warn_only": flags.warn_only,
+        "cudnn.deterministic": flags.cudnn_deterministic,
+        "cudnn.benchmark": flags.cudnn_benchmark,
+        "cudnn.allow_tf32": flags.cudnn_allow_tf32,
+        "cuda.matmul.allow_tf32": flags.cuda_matmul_allow_tf32,
+        "float32_matmul_precision": flags.float32_matmul_precision,
         "mkldnn.enabled": bool(torch.backends.mkldnn.enabled),
     }
 
@@ -365,15 +365,6 @@ def _unpack(obj: Any) -> Any:
 
 _PIECE_BYTES = 1 << 22  # tensors are checksummed in 4 MiB pieces, in parallel threads
 _PARALLEL_BYTES = 1 << 24  # below this much tensor data, one thread is quicker
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-def _forget_pool() -> None:  # a forked child (e.g. a DataLoader worker) has none of the threads
-    global _pool
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _digest(state: Any, name: str) -> str:
@@ -394,11 +385,8 @@ def _digest(state: Any, name: str) -> str:
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"Cannot checksum the state of {name!r} for verification: {e}") from None
     pieces = [p for p in parts if isinstance(p, memoryview)]
-    if sum(p.nbytes for p in pieces) >= _PARALLEL_BYTES and (os.cpu_count() or 1) > 1:
-        global _pool
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1), "torchrepro-crc")
-        crcs = iter(list(_pool.map(zlib.crc32, pieces)))
+    if sum(p.nbytes for p in pieces) >= _PARALLEL_BYTES:
+        crcs = iter(hashing.parallel_map(zlib.crc32, pieces))
     else:
         crcs = iter([zlib.crc32(p) for p in pieces])
     h = hashlib.blake2b(digest_size=16, person=b"trepro-ckpt-v1")
@@ -442,11 +430,9 @@ def _feed_tensor(parts: list[bytes | memoryview], keep: list[torch.Tensor], t: t
     if c.device.type != "cpu":
         c = c.cpu()
     c = c.resolve_conj().resolve_neg().contiguous()
-    nbytes = c.numel() * c.element_size()
-    if nbytes:
+    if c.numel():
         keep.append(c)
-        view = memoryview((ctypes.c_char * nbytes).from_address(c.data_ptr())).cast("B")
-        parts.extend(view[i : i + _PIECE_BYTES] for i in range(0, nbytes, _PIECE_BYTES))
+        parts.extend(hashing.chunks(hashing.byte_view(c), _PIECE_BYTES))
 
 
 # --------------------------------------------------------------------------- read and validate

@@ -11,8 +11,13 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torchrepro
+
+if TYPE_CHECKING:
+    from torchrepro.audit import AuditReport
+    from torchrepro.env import EnvDifference
 
 EXIT_OK = 0
 EXIT_FINDINGS = 1
@@ -23,6 +28,18 @@ def _add_script_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
     p.add_argument("script", nargs="?", help="the training script to run")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def _add_cpu_capability(p: argparse.ArgumentParser) -> None:
+    from torchrepro._child.spec import CPU_CAPABILITIES
+
+    p.add_argument(
+        "--cpu-capability",
+        choices=CPU_CAPABILITIES,
+        default=None,
+        help="pin the CPU instruction set torch's kernels use (ATEN_CPU_CAPABILITY; CPU results "
+        "change with it); recorded in the run's settings. Default: whatever this CPU supports",
+    )
 
 
 def _step_index(text: str) -> int:
@@ -40,6 +57,9 @@ def _step_index(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
+    from torchrepro.check import VARY_CHOICES
+    from torchrepro.flags import MODES
+
     parser = argparse.ArgumentParser(
         prog="torchrepro",
         description="Bit-for-bit reproducible PyTorch training runs, and where and why they are not.",
@@ -49,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a script with every RNG seeded and determinism switches set")
     p.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
-    p.add_argument("--mode", choices=["strict", "warn", "off"], default="strict")
+    p.add_argument("--mode", choices=MODES, default="strict")
     p.add_argument("--threads", type=int, default=None, help="pin torch/OMP/MKL threads to N")
+    _add_cpu_capability(p)
     p.add_argument("--nproc", type=int, default=None, help="launch N ranks through torchrun")
     p.add_argument("--record", metavar="DIR", default=None, help="write the run record to DIR")
     p.add_argument(
@@ -59,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_step_index,
         default=None,
         help="also record an op trace of optimizer step K (0-based) in the run record "
-        "(trace-stepK.rankR), so that `torchrepro compare` of two such runs diverging at step K "
+        "(one file per rank), so that `torchrepro compare` of two such runs diverging at step K "
         "names the op, module and line where they part",
     )
     _add_script_args(p)
@@ -69,10 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="stop every run after N optimizer steps")
     p.add_argument("--nproc", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=["strict", "warn", "off"], default="strict")
+    p.add_argument("--mode", choices=MODES, default="strict")
     p.add_argument("--threads", type=int, default=None)
+    _add_cpu_capability(p)
     p.add_argument("--no-seed", action="store_true", help="run as plain python would")
-    p.add_argument("--vary", choices=["workers", "threads", "hashseed"], default=None)
+    p.add_argument("--vary", choices=VARY_CHOICES, default=None)
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument("--serial", action="store_true", help="run the first run alone, then the others")
     p.add_argument("--json", action="store_true")
@@ -127,6 +149,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.mode,
         threads=args.threads,
+        cpu_capability=args.cpu_capability,
         nproc=args.nproc,
         record_dir=args.record,
         trace_step=args.trace_step,
@@ -172,6 +195,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         seed=args.seed,
         mode=args.mode,
         threads=args.threads,
+        cpu_capability=args.cpu_capability,
         no_seed=args.no_seed,
         vary=args.vary,
         locate=not args.no_locate,
@@ -233,7 +257,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 
-def _render_audit(report: torchrepro.AuditReport) -> str:
+def _render_audit(report: AuditReport) -> str:
     import textwrap
 
     steps = report.optimizer_steps
@@ -322,7 +346,7 @@ def _none(key: str) -> str:
     return "<unset>" if key.startswith("env_vars.") else "null"
 
 
-def _render_env_diff(a: str, b: str, differences: Sequence[torchrepro.EnvDifference]) -> str:
+def _render_env_diff(a: str, b: str, differences: Sequence[EnvDifference]) -> str:
     """The differences grouped by class: first what can break bitwise reproducibility."""
     if not differences:
         return f"environments {a} and {b}: no difference"

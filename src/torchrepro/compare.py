@@ -5,8 +5,10 @@ Invariants:
   same ``kind``, ``key``, ``step`` and fingerprint; the first divergence of a rank is the first
   position where they do not (a missing event where the other run has one counts).
 - Across ranks the reported divergence is the earliest by (step, rank) among the ranks' first
-  divergences; its ``kind`` is that of the first run's event at that position.
-- Reading is incremental (``EventTail``): a live file is read up to its last complete line.
+  divergences; its ``kind`` is that of the first run's event at that position, unless the two
+  runs did different things there (another kind or key) and the second run's event has the
+  earlier step: then the divergence is that event's.
+- Records are read through ``runrecord`` (incrementally for live files: ``EventTail``).
 - A ``compute`` divergence at step k is located (op, module, line, rank) from op traces of step k
   (``trace-step<k>.rank<R>`` files, written by ``torchrepro run --trace-step k``) by one code path,
   ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict.
@@ -14,31 +16,22 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from torchrepro.errors import ReproError
-from torchrepro.launch import TRACE_PREFIX
+from torchrepro.runrecord import RunRecord, load_run
 
 __all__ = [
     "Comparison",
     "Divergence",
-    "EventTail",
     "RankCursor",
     "compare_runs",
     "first_divergence",
-    "load_run",
     "locate_in_traces",
 ]
-
-_EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
-_TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -74,40 +67,6 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(
         a["kind"] == b["kind"] and a["key"] == b["key"] and a["step"] == b["step"] and a["fp"] == b["fp"]
     )
-
-
-class EventTail:
-    """Reads the complete events appended to a (possibly still growing) events file."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        self.events: list[dict[str, Any]] = []
-        self._offset = 0
-        self._partial = b""
-
-    def poll(self) -> int:
-        """Read newly completed lines; return how many events were added."""
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < self._offset:  # rewritten (the process re-executed itself)
-                    self.events.clear()
-                    self._offset = 0
-                    self._partial = b""
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return 0
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        added = 0
-        for line in lines:
-            if line.strip():
-                self.events.append(json.loads(line))
-                added += 1
-        return added
 
 
 class RankCursor:
@@ -164,62 +123,6 @@ def earliest(divergences: list[Divergence]) -> Divergence | None:
 def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: int = 0) -> Divergence | None:
     """The first divergence between two complete event lists of one rank (None: identical)."""
     return RankCursor(rank, a, b).advance(a_done=True, b_done=True)
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """A loaded run record: its directory, events per rank, environment and settings."""
-
-    path: str
-    events: dict[int, list[dict[str, Any]]]
-    env: dict[str, Any] | None
-    settings: dict[str, Any] | None
-    traces: dict[int, dict[int, str]] = field(default_factory=dict)
-    """Op trace files: ``{step: {rank: path}}`` (runs recorded with ``--trace-step``)."""
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ReproError(f"cannot read {path}: {exc}; the run record is damaged") from None
-    return data if isinstance(data, dict) else None
-
-
-def load_run(path: str | os.PathLike[str]) -> RunRecord:
-    """Load a run record directory; ``ReproError`` naming it when it is not one."""
-    from torchrepro.record import read_events
-
-    root = Path(path)
-    if not root.is_dir():
-        raise ReproError(f"run record not found: {os.fspath(path)!r} is not a directory")
-    events: dict[int, list[dict[str, Any]]] = {}
-    traces: dict[int, dict[int, str]] = {}
-    for entry in sorted(root.iterdir()):
-        t = _TRACE_RE.match(entry.name)
-        if t:
-            traces.setdefault(int(t.group(1)), {})[int(t.group(2))] = os.fspath(entry)
-        m = _EVENTS_RE.match(entry.name)
-        if m:
-            try:
-                events[int(m.group(1))] = read_events(entry)
-            except (OSError, ValueError) as exc:
-                raise ReproError(f"cannot read events file {entry}: {exc}") from None
-    if not events:
-        raise ReproError(
-            f"{os.fspath(path)!r} holds no events.rank<R>.jsonl file: not a torchrepro run record "
-            "(record one with `torchrepro run --record DIR script.py`)"
-        )
-    return RunRecord(
-        path=os.fspath(path),
-        events=events,
-        env=_read_json(root / "env.json"),
-        settings=_read_json(root / "settings.json"),
-        traces=traces,
-    )
 
 
 @dataclass(frozen=True)
@@ -317,7 +220,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         try:
             from torchrepro.env import Environment, diff_env
 
-            env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))  # type: ignore[attr-defined]
+            env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))
         except Exception:  # an unreadable environment must not hide the verdict
             env_differences = []
     notes: list[str] = []
@@ -341,8 +244,8 @@ def optimizer_index(key: str | None) -> int:
 
 
 def _traced_optimizer(run: RunRecord) -> int:
-    value = (run.settings or {}).get("trace_optimizer", 0)
-    return value if isinstance(value, int) else 0
+    value = None if run.settings is None else run.settings.trace_optimizer
+    return 0 if value is None else value
 
 
 def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Divergence, list[str]]:
@@ -381,7 +284,7 @@ def locate_in_traces(
     (None when every pair of traces matches), and notes on what went wrong or what the op did.
     Among ranks, the source is an op that is not a collective, preferably on ``first.rank``.
     """
-    from torchrepro.trace import OpDivergence, compare_traces
+    from torchrepro.tracing import OpDivergence, compare_traces
 
     notes: list[str] = []
     located: list[tuple[int, OpDivergence]] = []

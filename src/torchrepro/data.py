@@ -22,8 +22,7 @@ import hashlib
 import math
 import random
 import struct
-from _random import Random as _CRandom
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -31,8 +30,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 
 from torchrepro._compat import numpy_or_none, require_numpy
-from torchrepro.errors import DataLoaderStateError, ReproError
-from torchrepro.seeding import _PERSON, _encode_key, current_seed, derive_seed, validate_seed
+from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
+from torchrepro.seeding import _PERSON, _encode_key, current_seed, derive_seed, sample_seeder, validate_seed
 
 __all__ = ["LoaderConfigError", "SeededLoader", "UnsupportedDatasetError", "sample_rng"]
 
@@ -41,14 +40,6 @@ STATE_VERSION: Final = 1
 
 # A sampled key: (epoch, batch index within the epoch, dataset index).
 _Key = tuple[int, int, int]
-
-
-class LoaderConfigError(ReproError, ValueError):
-    """A ``SeededLoader`` argument conflicts with what seeded loading needs (or no seed is known)."""
-
-
-class UnsupportedDatasetError(ReproError, TypeError):
-    """The dataset cannot be loaded by ``SeededLoader`` (for example an ``IterableDataset``)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,45 +95,6 @@ def _numpy() -> Any:
     return _np
 
 
-def _global_seeder(np: Any) -> Callable[[int], None]:
-    """A function seeding Python, NumPy's global RNG and torch's CPU RNG from one 64-bit seed.
-
-    Resolved once per batch, called per sample. The cheapest call per library:
-    ``torch.default_generator.manual_seed`` (not ``torch.manual_seed``, which visits every
-    device) and NumPy's one-word seeding. torch's Mersenne Twister takes the low 32 bits, so
-    NumPy gets the high 32 bits (the same word would give both the same stream); Python's
-    ``random`` takes all 64 bits. ``random.seed(int)`` is type checks, then the C seeding and
-    ``gauss_next = None``: for the stock module-level generator the checks are skipped (the same
-    state, ~1 us less per sample); a patched ``random.seed`` is called as it is.
-    """
-    inst: Any = getattr(random, "_inst", None)
-    torch_seed = torch.default_generator.manual_seed
-    np_seed = np.random.seed if np is not None else _no_numpy
-    if type(inst) is random.Random and getattr(random.seed, "__self__", None) is inst:
-        generator: Any = inst
-        c_seed = _CRandom.seed.__get__(generator)
-
-        def seed(s: int) -> None:
-            c_seed(s)
-            generator.gauss_next = None
-            np_seed(s >> 32)
-            torch_seed(s)
-
-        return seed
-    py_seed = random.seed
-
-    def seed_public(s: int) -> None:
-        py_seed(s)
-        np_seed(s >> 32)
-        torch_seed(s)
-
-    return seed_public
-
-
-def _no_numpy(word: int) -> None:
-    pass
-
-
 class _Active:
     """What ``sample_rng()`` is keyed by right now (the sample or batch being loaded)."""
 
@@ -171,7 +123,7 @@ def sample_rng() -> Any:
     """
     active = _active
     if active.seed is None:
-        raise ReproError(
+        raise LoaderConfigError(
             "sample_rng() was called outside a sample being loaded by a SeededLoader; it is keyed "
             "by (seed, epoch, index), which only exist inside the dataset's __getitem__ (or "
             "collate_fn) while a torchrepro.SeededLoader loads it. Iterate the dataset through "
@@ -289,7 +241,7 @@ class _SeededSampler(Sampler[_Key]):
             return list(range(self.length))
         generator = torch.Generator()
         generator.manual_seed(derive_seed(self.seed, "order", epoch))
-        return torch.randperm(self.length, generator=generator).tolist()  # type: ignore[no-any-return]
+        return torch.randperm(self.length, generator=generator).tolist()
 
     def shard(self, epoch: int) -> list[int]:
         """The dataset indices this rank loads in epoch ``epoch``, in order."""
@@ -394,7 +346,7 @@ class _SeededDataset(Dataset[Any]):
         try:
             epoch, batch_index = keys[0][0], keys[0][1]
             sample_seed, batch_seed, object_seed = self._derivers_for(epoch)
-            seed_globals = _global_seeder(np)
+            seed_globals = sample_seeder(np)
             dataset = self.dataset
             if self.batched:  # the dataset loads whole batches: seed per batch instead
                 s = batch_seed.one(batch_index)

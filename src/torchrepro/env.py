@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
+from torchrepro._child.spec import ENV_PREFIX, LOCATION_VARIABLES
 from torchrepro.errors import EnvFileError
+from torchrepro.runrecord import ENV_FILE
 
 __all__ = ["EnvDifference", "Environment", "collect_env", "diff_env", "load_env"]
 
@@ -68,7 +70,7 @@ _ENV_PREFIXES = (
     "TORCH_",
     "TORCHINDUCTOR_",
     "PYTORCH_",
-    "TORCHREPRO_",
+    ENV_PREFIX,
     "NVIDIA_TF32",
 )
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$", re.IGNORECASE)
@@ -518,22 +520,9 @@ def _cpuinfo() -> tuple[str | None, list[str] | None]:
 
 def _determinism() -> dict[str, Any]:
     """Every switch that selects kernels or numerics (no CUDA initialisation)."""
-    out: dict[str, Any] = {}
-    try:
-        from torchrepro.flags import DeterminismFlags
+    from torchrepro.flags import DeterminismFlags
 
-        out.update(DeterminismFlags.capture().to_dict())
-    except Exception:  # flags unavailable: read the main switches directly
-        out.update(
-            deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
-            warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
-            cudnn_deterministic=torch.backends.cudnn.deterministic,
-            cudnn_benchmark=torch.backends.cudnn.benchmark,
-            cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
-            cuda_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-            float32_matmul_precision=torch.get_float32_matmul_precision(),
-            cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-        )
+    out: dict[str, Any] = DeterminismFlags.capture().to_dict()
     extras: dict[str, Callable[[], Any]] = {
         "mkldnn_enabled": lambda: torch.backends.mkldnn.enabled,
         "mkldnn_deterministic": lambda: torch.backends.mkldnn.deterministic,
@@ -638,7 +627,7 @@ def load_env(path: str | os.PathLike[str]) -> Environment:
     """
     p = Path(path)
     if p.is_dir():
-        p = p / "env.json"
+        p = p / ENV_FILE
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -715,7 +704,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "logging, caches and memory management; kernels and numerics are unchanged",
     ),
     (
-        r"env_vars\.TORCHREPRO_(RECORD_DIR|TRACE_OUT|OPS_OUT|TRACE_STEP)$",
+        r"env_vars\.(" + "|".join(re.escape(v) for v in LOCATION_VARIABLES) + r")$",
         False,
         "where torchrepro writes its records",
     ),
@@ -806,7 +795,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         True,
         "BLAS and OpenMP settings can change how work is split or which code path runs",
     ),
-    (r"env_vars\.TORCHREPRO_", True, "torchrepro's seed and mode decide every RNG and switch"),
+    (r"env_vars\." + re.escape(ENV_PREFIX), True, "torchrepro's seed and mode decide every RNG and switch"),
     (r"env_vars(\.|$)", True, "a PyTorch or CUDA setting; it may change which kernels run"),
     (
         r"packages(\.|$)",

@@ -15,10 +15,13 @@ __all__ = [
     "DeterminismError",
     "EnvFileError",
     "LaunchError",
+    "LoaderConfigError",
     "ReproError",
     "ReproWarning",
     "RngStateError",
+    "SettingsError",
     "TraceError",
+    "UnsupportedDatasetError",
     "warn_once",
 ]
 
@@ -39,12 +42,24 @@ class DataLoaderStateError(ReproError):
     """A loader state does not fit the loader it is loaded into."""
 
 
+class LoaderConfigError(ReproError, ValueError):
+    """A ``SeededLoader`` argument conflicts with what seeded loading needs (or no seed is known)."""
+
+
+class UnsupportedDatasetError(ReproError, TypeError):
+    """The dataset cannot be loaded by ``SeededLoader`` (for example an ``IterableDataset``)."""
+
+
 class CheckpointError(ReproError):
     """A checkpoint cannot be written, read, or does not match what it is loaded into."""
 
 
 class LaunchError(ReproError):
     """A script or module cannot be launched as asked."""
+
+
+class SettingsError(LaunchError, ValueError):
+    """A run setting (seed, mode, threads, steps...) is invalid; refused before anything starts."""
 
 
 class TraceError(ReproError):

@@ -498,7 +498,8 @@ def _process_items(cublas: str | None) -> list[StatusItem]:
             aten_isa is not None,
             ""
             if aten_isa is not None
-            else f"start the process with ATEN_CPU_CAPABILITY={capability.lower()} (or `torchrepro run`); "
+            else f"start the process with ATEN_CPU_CAPABILITY={capability.lower()} (or `torchrepro run "
+            f"--cpu-capability {capability.lower()}`); "
             "CPU results change with the instruction set",
             process_start=True,
         ),

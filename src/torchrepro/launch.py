@@ -9,8 +9,9 @@ Invariants:
   as every rank's entry point; each rank records its own events.
 - Every process a launch starts is ended with it: on a signal or an early stop the whole process
   tree is stopped, then killed (torchrun ranks and DataLoader workers included).
-- ``trace_step=k`` traces the ops of optimizer step k into the run record as
-  ``trace-step<k>.rank<R>`` (one file per rank) and notes ``trace_step`` in ``settings.json``.
+- What the child does is said by one ``ChildSpec`` (``_child.spec``, the child protocol); what
+  the run record holds is written through ``runrecord``. ``trace_step=k`` traces the ops of
+  optimizer step k into the record (one file per rank) and notes it in ``settings.json``.
 - ``relaunch`` re-executes the current process at most once (a marker variable), keeping its pid
   and environment (so a torchrun rank stays the rank its agent watches).
 """
@@ -28,31 +29,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrepro._io import atomic_write_json
-from torchrepro.errors import LaunchError
-from torchrepro.seeding import derive_seed, validate_seed
+from torchrepro import runrecord
+from torchrepro._child.spec import RELAUNCHED_VAR, ChildSpec, python_hash_seed
+from torchrepro.errors import LaunchError, SettingsError
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
+from torchrepro.seeding import validate_seed
 
 __all__ = [
-    "CUBLAS_WORKSPACE_CONFIG",
-    "TRACE_PREFIX",
     "RunResult",
     "build_command",
     "child_env",
     "kill_tree",
     "launch",
-    "new_run_dir",
     "python_hash_seed",
     "relaunch",
+    "run_settings",
 ]
 
-CUBLAS_WORKSPACE_CONFIG = ":4096:8"
-"""The cuBLAS workspace setting that makes cuBLAS deterministic (read once, at CUDA start)."""
-
-TRACE_PREFIX = "trace-step"
-"""Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>`` (the bootstrap adds ``.rank<R>``)."""
-
-MODES = ("strict", "warn", "off")
-_RELAUNCH_MARKER = "TORCHREPRO_RELAUNCHED"
 _bootstrapped = False
 _bootstrap_seeded = False
 
@@ -63,17 +56,6 @@ def _mark_bootstrapped(*, seeded: bool) -> None:
     _bootstrap_seeded = seeded
 
 
-def python_hash_seed(seed: int, *keys: int | str) -> int:
-    """The ``PYTHONHASHSEED`` of a run: ``derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32``.
-
-    >>> python_hash_seed(0) == python_hash_seed(0)
-    True
-    >>> 0 <= python_hash_seed(2**64 - 1) < 2**32
-    True
-    """
-    return derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32
-
-
 def child_env(
     *,
     seed: int | None,
@@ -82,37 +64,24 @@ def child_env(
     record_dir: str | os.PathLike[str] | None = None,
     hash_seed: int | None = None,
     base: Mapping[str, str] | None = None,
-    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of a child: ``base`` (default ``os.environ``) plus the run's settings.
 
-    ``seed=None`` is a plain python run: nothing seeded, no switches, no pinned hash seed (the
-    base environment's own ``PYTHONHASHSEED``, if any, is kept as python would). ``hash_seed``
-    overrides the derived ``PYTHONHASHSEED``.
+    Shorthand for ``ChildSpec(...).to_env(base)``. ``seed=None`` is a plain python run: nothing
+    seeded, no switches, no pinned hash seed (the base environment's own ``PYTHONHASHSEED``, if
+    any, is kept as python would). ``hash_seed`` overrides the derived ``PYTHONHASHSEED``.
     """
-    env = dict(os.environ if base is None else base)
-    for key in list(env):
-        if key.startswith("TORCHREPRO_"):
-            del env[key]
-    if seed is not None:
-        seed = validate_seed(seed)
-        if mode is not None and mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        env["TORCHREPRO_SEED"] = str(seed)
-        env["TORCHREPRO_MODE"] = mode or "strict"
-        env["PYTHONHASHSEED"] = str(python_hash_seed(seed) if hash_seed is None else hash_seed)
-        env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
-    elif hash_seed is not None:
-        env["PYTHONHASHSEED"] = str(hash_seed)
-    if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
-        env["TORCHREPRO_THREADS"] = str(threads)
-    if record_dir is not None:
-        env["TORCHREPRO_RECORD_DIR"] = os.fspath(record_dir)
-    env.update(extra or {})
-    return env
+    spec = ChildSpec(
+        seed=seed,
+        mode=mode if seed is not None else None,
+        threads=threads,
+        record_dir=None if record_dir is None else os.fspath(record_dir),
+        hash_seed=hash_seed,
+    )
+    return spec.to_env(base)
+
+
+_BOOTSTRAP = "torchrepro._child.bootstrap"
 
 
 def build_command(
@@ -123,11 +92,11 @@ def build_command(
         raise LaunchError("give exactly one of a script path or -m MODULE")
     target = ["-m", module] if module is not None else ["--", os.fspath(script or "")]
     if nproc is None:
-        return [sys.executable, "-m", "torchrepro._bootstrap", *target, *args]
+        return [sys.executable, "-m", _BOOTSTRAP, *target, *args]
     if nproc < 1:
-        raise LaunchError(f"--nproc must be >= 1, got {nproc}")
+        raise SettingsError(f"--nproc must be >= 1, got {nproc}")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*torchrun, "-m", "torchrepro._bootstrap", *target, *args]
+    return [*torchrun, "-m", _BOOTSTRAP, *target, *args]
 
 
 def check_target(script: str | None, module: str | None) -> None:
@@ -150,40 +119,33 @@ def check_target(script: str | None, module: str | None) -> None:
             raise LaunchError(f"module not found: {module!r} (python -m {module} would fail the same way)")
 
 
-def new_run_dir(root: str | os.PathLike[str] = ".torchrepro/runs") -> Path:
-    """Create and return a fresh run directory under ``root`` (never an existing one)."""
-    from torchrepro.record import new_run_id
-
-    base = Path(root)
-    base.mkdir(parents=True, exist_ok=True)
-    for _ in range(100):
-        path = base / new_run_id()
-        try:
-            path.mkdir()
-        except FileExistsError:  # pragma: no cover - 48 random bits
-            continue
-        return path
-    raise LaunchError(f"could not create a unique run directory under {base}")  # pragma: no cover
-
-
-def validate_trace_step(step: object) -> int:
-    """Check an optimizer step index to trace: an int >= 0 (``ValueError`` saying so otherwise)."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(
-            f"trace_step must be an optimizer step index, an integer >= 0 (0 is the first step), got {step!r}"
-        )
-    return step
-
-
-def trace_prefix(run_dir: str | os.PathLike[str], step: int) -> Path:
-    """Where a run traces step ``step``: the bootstrap writes ``<this>.rank<R>`` for each rank."""
-    return Path(run_dir).resolve() / f"{TRACE_PREFIX}{step}"
-
-
-def write_run_files(run_dir: Path, command: Sequence[str], settings: Mapping[str, Any]) -> None:
-    """Write ``command.json`` and ``settings.json`` of a run record."""
-    atomic_write_json(run_dir / "command.json", {"argv": list(command), "cwd": os.getcwd()})
-    atomic_write_json(run_dir / "settings.json", dict(settings))
+def run_settings(
+    spec: ChildSpec,
+    env: Mapping[str, str],
+    *,
+    script: str | None,
+    module: str | None,
+    nproc: int | None,
+    vary: str | None = None,
+    run: int | None = None,
+) -> runrecord.RunSettings:
+    """The ``settings.json`` of a run started from ``spec`` with the environment ``env``."""
+    return runrecord.RunSettings(
+        seed=spec.seed,
+        mode=spec.mode,
+        threads=spec.threads,
+        nproc=nproc,
+        script=script,
+        module=module,
+        cpu_capability=spec.cpu_capability,
+        trace_step=spec.trace_step,
+        trace_optimizer=None if spec.trace_step is None else spec.trace_optimizer,
+        steps=spec.max_steps,
+        vary=vary,
+        run=run,
+        PYTHONHASHSEED=env.get("PYTHONHASHSEED"),
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS"),
+    )
 
 
 @dataclass(frozen=True)
@@ -288,42 +250,39 @@ def launch(
     nproc: int | None = None,
     record_dir: str | os.PathLike[str] | None = None,
     trace_step: int | None = None,
+    cpu_capability: str | None = None,
 ) -> RunResult:
     """Run a script to completion under the bootstrap with stdio inherited; return its exit code.
 
     ``record_dir=None`` records into a fresh ``.torchrepro/runs/<id>/``. ``trace_step=k`` also
-    records an op trace of optimizer step k (0-based, the first optimizer's) per rank, as
-    ``trace-step<k>.rank<R>`` in the record, so ``torchrepro compare`` can name the op, module and
-    line where two runs part at that step. Ctrl-C and SIGTERM end the whole process tree.
+    records an op trace of optimizer step k (0-based, the first optimizer's) per rank in the
+    record, so ``torchrepro compare`` can name the op, module and line where two runs part at
+    that step. ``cpu_capability`` pins ``ATEN_CPU_CAPABILITY`` (the CPU ISA torch's kernels use).
+    Ctrl-C and SIGTERM end the whole process tree.
     """
-    if trace_step is not None:
-        trace_step = validate_trace_step(trace_step)
+    # validated before anything is created: a bad setting leaves no directory behind
+    spec = ChildSpec(
+        seed=seed,
+        mode=mode if seed is not None else None,
+        threads=threads,
+        cpu_capability=cpu_capability,
+        trace_step=trace_step,
+        trace_out=None if trace_step is None else "",  # the record's path, filled in below
+    )
     check_target(script, module)
-    run_dir = Path(record_dir) if record_dir is not None else new_run_dir()
+    command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
+    run_dir = Path(record_dir) if record_dir is not None else runrecord.new_run_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob(f"{TRACE_PREFIX}*.rank*"):  # a reused record: old traces would mislead
+    for stale in runrecord.stale_traces(run_dir):  # a reused record: old traces would mislead
         stale.unlink()
-    command = build_command(script, args, module=module, nproc=nproc)
-    extra: dict[str, str] = {}
-    if trace_step is not None:
-        extra = {
-            "TORCHREPRO_TRACE_STEP": str(trace_step),
-            "TORCHREPRO_TRACE_OUT": os.fspath(trace_prefix(run_dir, trace_step)),
-            "TORCHREPRO_TRACE_OPTIMIZER": "0",
-        }
-    env = child_env(seed=seed, mode=mode, threads=threads, record_dir=run_dir, extra=extra)
-    settings = {
-        "seed": seed,
-        "mode": mode,
-        "threads": threads,
-        "nproc": nproc,
-        "script": script,
-        "module": module,
-        "trace_step": trace_step,
-        "trace_optimizer": None if trace_step is None else 0,
-    }
-    settings["PYTHONHASHSEED"] = env.get("PYTHONHASHSEED")
-    write_run_files(run_dir, command, settings)
+    spec = spec.replace(
+        record_dir=os.fspath(run_dir.resolve()),
+        trace_out=None if trace_step is None else os.fspath(runrecord.trace_prefix(run_dir, trace_step)),
+    )
+    env = spec.to_env()
+    runrecord.write_run_files(
+        run_dir, command, run_settings(spec, env, script=script, module=module, nproc=nproc)
+    )
     proc = subprocess.Popen(command, env=env)
     try:
         with terminate_on_signals():
@@ -363,22 +322,22 @@ def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None)
     """
     seed = validate_seed(seed)
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        raise SettingsError(f"mode must be one of {MODES}, got {mode!r}")
     if _bootstrapped and _bootstrap_seeded:
         from torchrepro.seeding import current_seed
 
         used = current_seed()
         return seed if used is None else used
     missing = _start_settings_missing(seed, threads)
-    if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in (":4096:8", ":16:8"):
+    if os.environ.get(CUBLAS_VAR) not in CUBLAS_CONFIGS:
         import torch
 
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            missing["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+            missing[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
         else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+            os.environ[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
     if missing:
-        if os.environ.get(_RELAUNCH_MARKER):
+        if os.environ.get(RELAUNCHED_VAR):
             from torchrepro.errors import warn_once
 
             warn_once(
@@ -390,7 +349,7 @@ def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None)
         else:
             env = dict(os.environ)
             env.update(missing)
-            env[_RELAUNCH_MARKER] = "1"
+            env[RELAUNCHED_VAR] = "1"
             argv = [sys.executable, *getattr(sys, "orig_argv", [sys.executable, *sys.argv])[1:]]
             sys.stdout.flush()
             sys.stderr.flush()

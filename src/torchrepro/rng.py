@@ -24,7 +24,7 @@ import torch
 
 from torchrepro._compat import numpy_or_none
 from torchrepro.errors import ReproWarning, RngStateError, warn_once
-from torchrepro.seeding import _numpy_seed_words, derive_seed, validate_seed
+from torchrepro.seeding import seed_streams, validate_seed
 
 __all__ = ["RNG_STATE_VERSION", "RngState", "fork_rng"]
 
@@ -393,18 +393,6 @@ def _generator_from_dict(name: str, entry: object) -> _GeneratorState:
     return _GeneratorState(kind, _check_numpy_state(where, kind, entry.get("state"), np))
 
 
-def _seed_for_fork(seed: int) -> None:
-    """Seed like ``seed_everything`` (same streams), but never queue seeds for an idle CUDA."""
-    random.seed(derive_seed(seed, "python"))
-    np = numpy_or_none()
-    if np is not None:
-        np.random.seed(_numpy_seed_words(derive_seed(seed, "numpy")))
-    torch_seed = derive_seed(seed, "torch")
-    torch.default_generator.manual_seed(torch_seed)
-    if _cuda_started():
-        torch.cuda.manual_seed_all(torch_seed)
-
-
 @contextmanager
 def _isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Restore every stream on exit; undo CUDA seeds queued or drawn while CUDA was not started.
@@ -457,5 +445,5 @@ def fork_rng(
         return
     with _isolated(generators):
         if seed is not None:
-            _seed_for_fork(seed)
+            seed_streams(seed, idle_cuda=False)
         yield

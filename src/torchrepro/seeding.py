@@ -5,7 +5,9 @@ Invariants:
   of the keys; never Python's ``hash()``), so every process derives the same child seeds.
 - Every library gets its own derived seed: distinct user seeds give distinct streams everywhere,
   and NumPy's 32-bit seed limit never truncates a 64-bit user seed.
-- ``seed_everything`` is the only function here that writes global RNG state.
+- This module owns every write of the global RNG streams: ``seed_everything`` (and
+  ``seed_streams``, the same streams without queueing seeds for an idle CUDA) seed each library
+  from its derived seed; ``sample_seeder`` is the per-sample seeder of ``SeededLoader``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,23 @@ import hashlib
 import os
 import random
 import struct
+from _random import Random as _CRandom
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from torchrepro._compat import numpy_or_none
 
-__all__ = ["MAX_SEED", "current_seed", "derive_seed", "seed_everything", "validate_seed"]
+__all__ = [
+    "MAX_SEED",
+    "current_seed",
+    "derive_seed",
+    "sample_seeder",
+    "seed_everything",
+    "seed_streams",
+    "validate_seed",
+]
 
 MAX_SEED = 2**64 - 1
 """The largest seed accepted anywhere (seeds are unsigned 64-bit integers)."""
@@ -96,16 +109,72 @@ def seed_everything(seed: int | None = None) -> int:
         seed = int.from_bytes(os.urandom(8), "little")
     seed = validate_seed(seed)
     global _current_seed
+    seed_streams(seed, idle_cuda=True)
+    _current_seed = seed
+    return seed
+
+
+def seed_streams(seed: int, *, idle_cuda: bool) -> None:
+    """Seed Python ``random``, NumPy's global RNG and torch from ``derive_seed(seed, <library>)``.
+
+    ``idle_cuda=True`` seeds every device like ``torch.manual_seed`` (queueing the seed for a CUDA
+    not started yet); ``False`` seeds CUDA only when it has started (``fork_rng``: a block must
+    not leave a seed queued for a CUDA it never used).
+    """
     random.seed(derive_seed(seed, "python"))
     np = numpy_or_none()
     if np is not None:
         np.random.seed(_numpy_seed_words(derive_seed(seed, "numpy")))
-    # torch.manual_seed seeds the CPU generator and every initialised or lazy device generator.
-    torch.manual_seed(derive_seed(seed, "torch"))
-    _current_seed = seed
-    return seed
+    torch_seed = derive_seed(seed, "torch")
+    if idle_cuda:
+        # torch.manual_seed seeds the CPU generator and every initialised or lazy device generator.
+        torch.manual_seed(torch_seed)
+        return
+    torch.default_generator.manual_seed(torch_seed)
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.manual_seed_all(torch_seed)
 
 
 def current_seed() -> int | None:
     """The seed last given to ``seed_everything`` in this process, or ``None``."""
     return _current_seed
+
+
+def sample_seeder(np: Any) -> Callable[[int], None]:
+    """A function seeding Python, NumPy's global RNG and torch's CPU RNG from one 64-bit seed.
+
+    The per-sample seeder of ``SeededLoader`` (``np``: the NumPy module or None), resolved once
+    per batch, called per sample. The cheapest call per library:
+    ``torch.default_generator.manual_seed`` (not ``torch.manual_seed``, which visits every
+    device) and NumPy's one-word seeding. torch's Mersenne Twister takes the low 32 bits, so
+    NumPy gets the high 32 bits (the same word would give both the same stream); Python's
+    ``random`` takes all 64 bits. ``random.seed(int)`` is type checks, then the C seeding and
+    ``gauss_next = None``: for the stock module-level generator the checks are skipped (the same
+    state, ~1 us less per sample); a patched ``random.seed`` is called as it is.
+    """
+    inst: Any = getattr(random, "_inst", None)
+    torch_seed = torch.default_generator.manual_seed
+    np_seed = np.random.seed if np is not None else _no_numpy
+    if type(inst) is random.Random and getattr(random.seed, "__self__", None) is inst:
+        generator: Any = inst
+        c_seed = _CRandom.seed.__get__(generator)
+
+        def seed(s: int) -> None:
+            c_seed(s)
+            generator.gauss_next = None
+            np_seed(s >> 32)
+            torch_seed(s)
+
+        return seed
+    py_seed = random.seed
+
+    def seed_public(s: int) -> None:
+        py_seed(s)
+        np_seed(s >> 32)
+        torch_seed(s)
+
+    return seed_public
+
+
+def _no_numpy(word: int) -> None:
+    pass

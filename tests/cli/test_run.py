@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrepro.launch import python_hash_seed
-from torchrepro.record import read_events
+from torchrepro.runrecord import read_events
 from torchrepro.seeding import derive_seed
 
 SCRIPTS = Path(__file__).parent / "scripts"

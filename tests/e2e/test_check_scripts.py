@@ -112,7 +112,7 @@ def test_a_script_that_raises_is_exit_2_with_its_traceback_never_a_divergence(tm
     assert verdict["reproducible"] is None and verdict["first_divergence"] is None
     assert "ValueError: boom at step 1" in err
     assert 'crash.py", line 12' in err
-    assert "_bootstrap.py" not in err  # the traceback is the script's, as python shows it
+    assert "bootstrap.py" not in err  # the traceback is the script's, as python shows it
 
 
 def test_a_missing_script_is_exit_2_naming_it(tmp_path: Path) -> None:

@@ -1,7 +1,6 @@
-"""Run records: a fingerprint of every init, batch, optimizer step and recorded value, per rank.
+"""Recording a run: a fingerprint of every init, batch, optimizer step and recorded value, per rank.
 
-A run record is a directory (default ``.torchrepro/runs/<id>/``) holding ``command.json``,
-``settings.json``, ``env.json`` and one ``events.rank<R>.jsonl`` per rank. Invariants:
+The events go to the run record's ``events.rank<R>.jsonl`` (file names: ``runrecord``). Invariants:
 - Events are appended and flushed as they happen (one JSON object a line), so a crashed or
   killed run keeps everything it recorded up to the crash and a reader can tail the file live.
 - Every event has ``kind`` (``init``, ``data``, ``compute``, ``record``), ``key`` (which
@@ -11,7 +10,7 @@ A run record is a directory (default ``.torchrepro/runs/<id>/``) holding ``comma
   absolute difference of a small tensor). Two runs agree at an event iff the events are equal
   in ``kind``, ``key``, ``step`` and ``fp``.
 - Recording changes nothing the script computes: hooks only read tensors (no RNG draw, no copy
-  back) and are installed only by the bootstrap (``install_hooks``), never on import.
+  back) and are installed only by the child (``_child.hooks.install_recording``), never on import.
 - ``torchrepro.record(name, value)`` adds a ``record`` event to the current run record; outside
   a recorded run (plain ``python``) it is a no-op, so scripts can call it unconditionally.
 """
@@ -19,7 +18,6 @@ A run record is a directory (default ``.torchrepro/runs/<id>/``) holding ``comma
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import threading
@@ -29,16 +27,7 @@ from typing import IO, Any
 
 import torch
 
-__all__ = [
-    "EVENT_KINDS",
-    "Recorder",
-    "active_recorder",
-    "events_path",
-    "install_hooks",
-    "new_run_id",
-    "read_events",
-    "record",
-]
+__all__ = ["EVENT_KINDS", "Recorder", "activate", "active_recorder", "record"]
 
 EVENT_KINDS = ("init", "data", "compute", "record")
 """The kinds of recorded events, in the order they can first occur in a training step."""
@@ -53,40 +42,14 @@ and the recorder's own fingerprinting run under it, so a trace holds only the sc
 (the main thread's ops that rebuild batches from worker processes vary with timing)."""
 
 
-def _paused() -> contextlib.AbstractContextManager[Any]:
+def paused() -> contextlib.AbstractContextManager[Any]:
+    """Pause the active op tracer, if any (a no-op context otherwise)."""
     pause = trace_pause
     return contextlib.nullcontext() if pause is None else pause()
 
 
-def new_run_id() -> str:
-    """A run id unique across processes and machines: UTC time, pid and 48 random bits.
-
-    It draws from ``os.urandom``, never from an RNG a script could have seeded.
-    """
-    import time
-
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    return f"{stamp}-{os.getpid()}-{os.urandom(6).hex()}"
-
-
-def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
-    """The events file of ``rank`` in the run record ``run_dir``."""
-    return Path(run_dir) / f"events.rank{rank}.jsonl"
-
-
-def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every complete event in an events file (a torn last line from a crash is ignored)."""
-    events: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            events.append(json.loads(line))
-    return events
-
-
 def _fingerprint(obj: Any) -> str:
-    from torchrepro.fingerprint import fingerprint
+    from torchrepro.hashing import fingerprint
 
     return fingerprint(obj)
 
@@ -165,7 +128,7 @@ class Recorder:
         """Fingerprint ``value`` and append one event (not from forked DataLoader workers)."""
         if os.getpid() != self._pid:  # a forked worker inherited the recorder: its order is not ours
             return
-        with _paused():
+        with paused():
             fp, leaves = _digest(value, self.values_max)
         event = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp, "t": leaves}
         line = json.dumps(event, separators=(",", ":")) + "\n"
@@ -189,6 +152,12 @@ class Recorder:
                 self._file = None
 
 
+def activate(recorder: Recorder | None) -> None:
+    """Make ``recorder`` the one ``record()`` writes to (the child's recording hooks call this)."""
+    global _active
+    _active = recorder
+
+
 def active_recorder() -> Recorder | None:
     """The recorder of this process, when it runs under ``torchrepro run``/``check``."""
     return _active
@@ -209,129 +178,3 @@ def record(name: str, value: Any) -> None:
     rec = _active
     if rec is not None:
         rec.write("record", name, rec.current_step, value)
-
-
-StepCallback = Callable[[torch.optim.Optimizer, int, int], None]
-"""Called after every recorded optimizer step with (optimizer, optimizer index, step index)."""
-
-InitCallback = Callable[[torch.optim.Optimizer, int], None]
-"""Called after an optimizer is created with (optimizer, optimizer index)."""
-
-
-def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
-def install_hooks(
-    recorder: Recorder | None,
-    *,
-    num_workers: Callable[[int], int] | None = None,
-    on_init: InitCallback | None = None,
-    on_step: StepCallback | None = None,
-) -> None:
-    """Install the process-global recording hooks (the bootstrap calls this once per process).
-
-    ``recorder`` receives the events (None: only the callbacks run). ``num_workers`` maps the
-    ``num_workers`` every DataLoader is created with to the value actually used (``--vary
-    workers``). ``on_init``/``on_step`` run after the recorder's own event is written.
-    """
-    global _active
-    _active = recorder
-    optim_cls = torch.optim.Optimizer
-    original_init = optim_cls.__init__
-
-    def init_wrapper(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        original_init(self, *args, **kwargs)
-        if hasattr(self, "_torchrepro_index"):
-            return
-        index = recorder.n_optimizers if recorder is not None else _counter("optim")
-        if recorder is not None:
-            recorder.n_optimizers += 1
-            recorder.optimizer_steps[index] = 0
-        self._torchrepro_index = index  # type: ignore[attr-defined]
-        if recorder is not None:
-            recorder.write("init", f"optimizer{index}", 0, _params(self))
-        if on_init is not None:
-            on_init(self, index)
-
-    optim_cls.__init__ = init_wrapper  # type: ignore[method-assign]
-
-    def step_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        index: int = getattr(opt, "_torchrepro_index", 0)
-        if recorder is not None:
-            step = recorder.optimizer_steps.get(index, 0)
-            recorder.optimizer_steps[index] = step + 1
-            recorder.write("compute", f"optimizer{index}", step, _params(opt))
-        else:
-            step = _counter(f"step{index}")
-        if on_step is not None:
-            on_step(opt, index, step)
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    register_optimizer_step_post_hook(step_hook)
-
-    from torch.utils.data import dataloader as dl
-
-    if num_workers is not None:
-        _patch_num_workers(dl.DataLoader, num_workers)
-    _patch_loader_iteration(dl, recorder)
-
-
-_counters: dict[str, int] = {}
-
-
-def _counter(name: str) -> int:
-    value = _counters.get(name, 0)
-    _counters[name] = value + 1
-    return value
-
-
-def _patch_num_workers(loader_cls: type, mapping: Callable[[int], int]) -> None:
-    original_init = loader_cls.__init__  # type: ignore[misc]
-    signature = inspect.signature(original_init)
-
-    def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = bound.arguments
-        new = mapping(int(arguments.get("num_workers", 0) or 0))
-        arguments["num_workers"] = new
-        if new == 0:
-            arguments["prefetch_factor"] = None
-            arguments["persistent_workers"] = False
-        original_init(*bound.args, **bound.kwargs)
-
-    loader_cls.__init__ = init_wrapper  # type: ignore[misc]
-
-
-def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
-    loader_cls = dl.DataLoader
-    iter_cls = dl._BaseDataLoaderIter
-    original_iter = loader_cls.__iter__
-    original_next = iter_cls.__next__
-
-    def iter_wrapper(self: Any) -> Any:
-        with _paused():
-            it = original_iter(self)
-        key = self.__dict__.get("_torchrepro_loader")
-        if key is None and recorder is not None:
-            key = recorder.n_loaders
-            recorder.n_loaders += 1
-            recorder.loader_batches[key] = 0
-            object.__setattr__(self, "_torchrepro_loader", key)
-        it._torchrepro_loader = key
-        return it
-
-    def next_wrapper(self: Any) -> Any:
-        with _paused():
-            batch = original_next(self)
-        key = self.__dict__.get("_torchrepro_loader")
-        if key is not None and recorder is not None:
-            index = recorder.loader_batches.get(key, 0)
-            recorder.loader_batches[key] = index + 1
-            recorder.write("data", f"loader{key}", index, batch)
-        return batch
-
-    loader_cls.__iter__ = iter_wrapper
-    iter_cls.__next__ = next_wrapper

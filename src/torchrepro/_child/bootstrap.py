@@ -1,21 +1,20 @@
-"""The child-process bootstrap: ``python -m torchrepro._bootstrap [--] script.py|-m module [args]``.
+"""The child-process bootstrap: ``python -m torchrepro._child.bootstrap [--] script.py|-m module [args]``.
 
-Configured only by environment variables (see PROTOCOL: ``TORCHREPRO_SEED``, ``_MODE``,
-``_RECORD_DIR``, ``_MAX_STEPS``, ``_TRACE_STEP``/``_TRACE_OUT``, ``_OPS_OUT``, plus
-``_THREADS``, ``_NUM_WORKERS``, ``_RECORD_VALUES``, ``_TRACE_OPTIMIZER``). Invariants:
-- With no ``TORCHREPRO_*`` variable set it behaves like plain ``python script.py``: the
-  script's ``__main__`` semantics (``sys.argv``, its directory first on ``sys.path``, its exit
-  code and tracebacks) are those of python, and nothing is seeded or switched.
-- Seeding and switches happen before the first line of the script; hooks are installed before
-  the script can create an optimizer or a DataLoader.
-- ``TORCHREPRO_MAX_STEPS=N`` ends the run with exit code 0 right after the N-th optimizer step,
-  events flushed; the trace module is imported only when a trace variable is set.
+Configured only by the child protocol (``ChildSpec.from_env()``; see ``_child.spec``). Invariants:
+- With no protocol variable set it behaves like plain ``python script.py``: the script's
+  ``__main__`` semantics (``sys.argv``, its directory first on ``sys.path``, its exit code and
+  tracebacks) are those of python, and nothing is seeded or switched.
+- A malformed spec ends the child with exit code 2 and one line naming the variable, before the
+  script runs.
+- Seeding and switches happen before the first line of the script; hooks (``_child.hooks``) are
+  installed before the script can create an optimizer or a DataLoader.
+- ``max_steps=N`` ends the run with exit code 0 right after the N-th optimizer step, events
+  flushed; the tracing package is imported only when the spec asks for a trace or an op record.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import importlib.machinery
 import importlib.util
 import io
@@ -28,22 +27,15 @@ from typing import Any
 import torch
 
 import torchrepro.launch as _launch
-import torchrepro.record as _record
-from torchrepro.record import Recorder, events_path, install_hooks
+import torchrepro.recorder as _recorder
+from torchrepro import runrecord
+from torchrepro._child.hooks import SettingsProbe, install_hooks, worker_mapping
+from torchrepro._child.spec import ChildSpec
+from torchrepro.recorder import Recorder
 
 
 class _MaxStepsReached(SystemExit):
-    """Raised from the optimizer hook after TORCHREPRO_MAX_STEPS steps: a clean exit 0."""
-
-
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"torchrepro bootstrap: {name} must be an integer, got {value!r}") from None
+    """Raised from the optimizer hook after ``max_steps`` optimizer steps: a clean exit 0."""
 
 
 def _rank() -> int:
@@ -51,7 +43,9 @@ def _rank() -> int:
 
 
 def _usage() -> SystemExit:
-    return SystemExit("usage: python -m torchrepro._bootstrap [--] script.py [args...] | -m module [args...]")
+    return SystemExit(
+        "usage: python -m torchrepro._child.bootstrap [--] script.py [args...] | -m module [args...]"
+    )
 
 
 def _parse(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
@@ -66,47 +60,37 @@ def _parse(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
     return argv[0], None, argv[1:]
 
 
-def _worker_mapping(spec: str | None) -> Any:
-    if not spec:
-        return None
-    if spec == "other":
-        return lambda n: 0 if n > 0 else 2
-    fixed = int(spec)
-    return lambda n: fixed
-
-
 class _Session:
     """Everything the bootstrap set up in this process, torn down at exit."""
 
-    def __init__(self, script: str | None) -> None:
+    def __init__(self, spec: ChildSpec, script: str | None) -> None:
         self.rank = _rank()
-        self.max_steps = _int_env("TORCHREPRO_MAX_STEPS")
-        self.trace_step = _int_env("TORCHREPRO_TRACE_STEP")
-        self.trace_out = os.environ.get("TORCHREPRO_TRACE_OUT")
-        self.trace_optimizer = _int_env("TORCHREPRO_TRACE_OPTIMIZER") or 0
-        self.ops_out = os.environ.get("TORCHREPRO_OPS_OUT")
+        self.spec = spec
+        self.max_steps = spec.max_steps
+        self.trace_step = spec.trace_step
+        self.trace_out = spec.trace_out
+        self.trace_optimizer = spec.trace_optimizer
+        self.ops_out = spec.ops_out
         self.tracer: Any = None
         self.ops_recorder: Any = None
         self.recorder: Recorder | None = None
         self.steps: dict[int, int] = {}
-        record_dir = os.environ.get("TORCHREPRO_RECORD_DIR")
-        if record_dir:
-            values_max = _int_env("TORCHREPRO_RECORD_VALUES")
-            kwargs = {} if values_max is None else {"values_max": values_max}
-            self.recorder = Recorder(events_path(record_dir, self.rank), **kwargs)
+        if spec.record_dir:
+            kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
+            self.recorder = Recorder(runrecord.events_path(spec.record_dir, self.rank), **kwargs)
             if self.rank == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-                _write_env(record_dir, script)
+                _write_env(spec.record_dir, script)
 
-    # --- tracing (TORCHREPRO_TRACE_STEP / TORCHREPRO_OPS_OUT) ---
+    # --- tracing (spec.trace_step / spec.ops_out) ---
     def _start_tracer(self) -> None:
         if self.tracer is not None or self.trace_out is None:
             return
         try:
-            from torchrepro.trace import Tracer
+            from torchrepro.tracing import Tracer
 
-            self.tracer = Tracer(f"{self.trace_out}.rank{self.rank}")
+            self.tracer = Tracer(runrecord.trace_path(self.trace_out, self.rank))
             self.tracer.start()
-            _record.trace_pause = self.tracer.paused
+            _recorder.trace_pause = self.tracer.paused
         except Exception as exc:  # locating is best effort: never break the run
             print(f"torchrepro bootstrap: op tracing unavailable: {exc}", file=sys.stderr)
             self.trace_out = None
@@ -114,7 +98,7 @@ class _Session:
 
     def _stop_tracer(self) -> None:
         tracer, self.tracer = self.tracer, None
-        _record.trace_pause = None
+        _recorder.trace_pause = None
         if tracer is not None:
             try:
                 tracer.stop()
@@ -125,7 +109,7 @@ class _Session:
         if not self.ops_out:
             return
         try:
-            from torchrepro.trace import OpRecorder  # type: ignore[attr-defined]
+            from torchrepro.tracing import OpRecorder
 
             self.ops_recorder = OpRecorder()
             self.ops_recorder.start()
@@ -141,7 +125,7 @@ class _Session:
 
         try:
             events = rec.stop()
-            atomic_write_json(f"{self.ops_out}.rank{self.rank}.json", [e.to_dict() for e in events])
+            atomic_write_json(runrecord.ops_path(self.ops_out, self.rank), [e.to_dict() for e in events])
         except Exception as exc:
             print(f"torchrepro bootstrap: writing the op record failed: {exc}", file=sys.stderr)
 
@@ -168,36 +152,31 @@ class _Session:
 
 
 def _write_env(record_dir: str, script: str | None) -> None:
-    from torchrepro._io import atomic_write_json
-
     try:
         from torchrepro.env import collect_env
 
-        env = collect_env(script=script).to_dict()  # type: ignore[call-arg,attr-defined,unused-ignore]
+        env = collect_env(script=script).to_dict()
     except Exception as exc:  # the record stays useful without it
         env = {"error": f"collect_env failed: {type(exc).__name__}: {exc}"}
     try:
-        atomic_write_json(os.path.join(record_dir, "env.json"), env)
+        runrecord.write_env(record_dir, env)
     except (OSError, TypeError, ValueError) as exc:
-        print(f"torchrepro bootstrap: could not write env.json: {exc}", file=sys.stderr)
+        print(f"torchrepro bootstrap: could not write {runrecord.ENV_FILE}: {exc}", file=sys.stderr)
 
 
-def _configure() -> None:
-    threads = _int_env("TORCHREPRO_THREADS")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    seed = _int_env("TORCHREPRO_SEED")
-    mode = os.environ.get("TORCHREPRO_MODE") or None
-    if seed is not None:
+def _configure(spec: ChildSpec) -> None:
+    """Threads, seeds and switches, before the script's first line."""
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.seed is not None:
         from torchrepro.seeding import seed_everything
 
-        seed_everything(seed)
-    if mode is not None:
+        seed_everything(spec.seed)
+    if spec.mode is not None:
         from torchrepro.flags import set_determinism
 
-        with contextlib.suppress(NotImplementedError):  # flags.py still a placeholder in this build
-            set_determinism(mode)
-    _launch._mark_bootstrapped(seeded=seed is not None)
+        set_determinism(spec.mode)
+    _launch._mark_bootstrapped(seeded=spec.seed is not None)
 
 
 def _script_code(path: str) -> types.CodeType:
@@ -208,7 +187,12 @@ def _script_code(path: str) -> types.CodeType:
 
 def _module_code(name: str) -> tuple[types.CodeType, importlib.machinery.ModuleSpec]:
     """The code and spec ``python -m name`` runs (a package runs its ``__main__``)."""
-    spec = importlib.util.find_spec(name)
+    try:
+        spec = importlib.util.find_spec(name)
+    except ImportError as exc:  # a missing parent package: python -m says it in one line too
+        raise SystemExit(
+            f"{sys.executable}: Error while finding module specification for {name!r} ({exc})"
+        ) from None
     if spec is None:
         raise SystemExit(f"{sys.executable}: No module named {name}")
     if spec.submodule_search_locations is not None:  # a package: run its __main__
@@ -253,11 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     if script is not None and not os.path.exists(script):
         print(f"torchrepro: can't open file {script!r}: no such file", file=sys.stderr)
         return 2
-    _configure()
-    session = _Session(script)
+    try:
+        spec = ChildSpec.from_env()
+    except ValueError as exc:
+        print(f"torchrepro bootstrap: {exc}", file=sys.stderr)
+        return 2
+    if spec.audit_settings_out:
+        SettingsProbe(spec.audit_settings_out).install()
+    _configure(spec)
+    session = _Session(spec, script)
     install_hooks(
         session.recorder,
-        num_workers=_worker_mapping(os.environ.get("TORCHREPRO_NUM_WORKERS")),
+        num_workers=worker_mapping(spec.num_workers),
         on_init=session.on_init,
         on_step=session.on_step,
     )
@@ -271,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             assert module is not None
             sys.path[0] = os.getcwd()
-            code, spec = _module_code(module)
-            sys.argv = [spec.origin or module, *args]
-            _run_as_main(code, file=spec.origin, spec=spec)
+            code, module_spec = _module_code(module)
+            sys.argv = [module_spec.origin or module, *args]
+            _run_as_main(code, file=module_spec.origin, spec=module_spec)
     except _MaxStepsReached:
         code = 0
     except SystemExit as exc:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrepro.compare import EventTail, first_divergence
-from torchrepro.record import Recorder, events_path, new_run_id, read_events, record
+from torchrepro.compare import first_divergence
+from torchrepro.recorder import Recorder, record
+from torchrepro.runrecord import EventTail, events_path, new_run_id, read_events
 
 
 def test_recorder_appends_flushed_events_readable_while_open(tmp_path: Path) -> None:

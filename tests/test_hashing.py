@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from torchrepro import fingerprint
 
-# ``torchrepro.fingerprint`` is the function (exported by the package), so fetch the module itself.
-fp_mod = importlib.import_module("torchrepro.fingerprint")
+# The module that holds ``torchrepro.fingerprint`` and its helpers.
+fp_mod = importlib.import_module("torchrepro.hashing")
 
 MASK64 = (1 << 64) - 1
 

@@ -1,11 +1,10 @@
-"""Audit a training script for what would break bitwise determinism, on CUDA included, from a CPU run.
+"""The audit's rules: pure functions from recorded ops and settings to findings.
 
 Invariants:
 
-- ``audit_script`` runs the script the way its user would run it with plain ``python``: through
-  the bootstrap with ``TORCHREPRO_MODE`` unset (no seeding, no switches), with the op recorder
-  on, stopped after ``steps`` optimizer steps. So the settings it reports are the ones the script
-  itself sets (or inherits from the shell), not torchrepro's.
+- Nothing here runs a script or changes global state: ``audit_ops`` and ``audit_settings`` are
+  pure functions of their input (the recorded ops and the probe's settings dict), testable
+  without running anything. ``audit.runner`` runs the script; ``_child.hooks`` probes it.
 - Op findings come from the op table ``_audit_ops.json``: data, keyed by torch release, whose
   entries name the items of ``torch.use_deterministic_algorithms.__doc__`` they cover and the aten
   ops that implement them. A test keeps it equal to the installed torch's documentation, and an
@@ -13,46 +12,31 @@ Invariants:
 - Conditions of the table (``bincount`` with weights, ``cumsum`` on floats...) are decided from
   the arguments of the Python-level call at the op's line, which the child's probe records; one
   it cannot decide never yields an error: the finding is a warning that says what is unknown.
-- In the child, the probe wraps ``DataLoader.__init__``, ``torch.compile``,
-  ``torch.set_num_threads`` and the few functions whose arguments decide a condition; every
-  wrapper records and calls through unchanged. One exception: ``use_deterministic_algorithms``
-  is recorded as asked but applied with ``warn_only=True``, so an op that raises under strict
-  mode (``put_``, ``max_unpool`` raise on the CPU too) is reported instead of ending the audit.
-  The parent process changes no global state.
 - Findings for a backward op carry the module and source line of the forward call that created
   it (the recorder's location), never ``loss.backward()``.
-- The library never prints; ``audit_ops`` and ``audit_settings`` are pure functions of their input.
+- The library never prints.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import functools
-import inspect
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchrepro._io import atomic_write_json
-from torchrepro.errors import LaunchError, TraceError
+from torchrepro.errors import TraceError
+from torchrepro.flags import CUBLAS_CONFIGS
 
-__all__ = ["AuditReport", "Finding", "audit_ops", "audit_script", "audit_settings"]
+__all__ = ["SEVERITIES", "AuditReport", "Finding", "audit_ops", "audit_settings", "report"]
 
 SEVERITIES = ("error", "warning", "info")
 _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
-_TABLE_FILE = Path(__file__).with_name("_audit_ops.json")
-_SETTINGS_ENV = "TORCHREPRO_AUDIT_SETTINGS_OUT"
-_CUBLAS_OK = (":4096:8", ":16:8")
+_TABLE_FILE = Path(__file__).with_name("ops_table.json")
 _STRICT = "torchrepro run, or torch.use_deterministic_algorithms(True)"
 
 
@@ -514,8 +498,8 @@ def _table_findings() -> list[Finding]:
                 None,
                 f"The op table was made for torch {table.release}; this is torch {torch.__version__}, "
                 "so ops added or fixed since may be missed or reported wrongly.",
-                "Upgrade torchrepro, or add a release to torchrepro/_audit_ops.json (tests/test_audit.py "
-                "checks it against the installed torch's documentation).",
+                "Upgrade torchrepro, or add a release to torchrepro/audit/ops_table.json "
+                "(tests/test_audit.py checks it against the installed torch's documentation).",
             )
         )
     known = {d for e in table.entries for d in e.doc}
@@ -530,7 +514,7 @@ def _table_findings() -> list[Finding]:
                 None,
                 "torch.use_deterministic_algorithms documents ops the audit's table does not cover: "
                 + "; ".join(new),
-                "Check these ops in your script by hand, and add them to torchrepro/_audit_ops.json.",
+                "Check these ops in your script by hand, and add them to torchrepro/audit/ops_table.json.",
             )
         )
     return out
@@ -584,7 +568,7 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
             )
         )
     cublas = settings.get("cublas_workspace_config", _UNKNOWN)
-    if cublas is not _UNKNOWN and cublas not in _CUBLAS_OK and uses_cublas:
+    if cublas is not _UNKNOWN and cublas not in CUBLAS_CONFIGS and uses_cublas:
         strict = bool(deterministic) and not warn_only
         add(
             _settings_finding(
@@ -597,8 +581,8 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                     if strict
                     else "on CUDA, cuBLAS may then pick nondeterministic reductions."
                 ),
-                "Set CUBLAS_WORKSPACE_CONFIG=:4096:8 (or :16:8) in the environment before CUDA starts "
-                "(torchrepro run does).",
+                f"Set CUBLAS_WORKSPACE_CONFIG={CUBLAS_CONFIGS[0]} (or {CUBLAS_CONFIGS[1]}) in the "
+                "environment before CUDA starts (torchrepro run does).",
             )
         )
     if settings.get("cudnn_benchmark"):
@@ -759,78 +743,14 @@ def _loader_findings(loader: Mapping[str, Any]) -> list[Finding]:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# Running a script
-
-
-def _tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _child_env(ops_prefix: str, settings_path: str, steps: int) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    env["TORCHREPRO_OPS_OUT"] = ops_prefix
-    env["TORCHREPRO_MAX_STEPS"] = str(steps)
-    env[_SETTINGS_ENV] = settings_path
-    src = str(Path(__file__).resolve().parents[1])
-    # torchrepro must be importable in the child; the user's own PYTHONPATH entries stay first
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), src) if p)
-    return env
-
-
-def audit_script(
-    script: str | os.PathLike[str],
-    args: Sequence[str] = (),
-    *,
-    steps: int = 1,
-    module: bool = False,
-    timeout: float | None = None,
-) -> AuditReport:
-    """Run ``script`` (or, with ``module=True``, ``python -m script``) as plain python would, for
-    ``steps`` optimizer steps with the op recorder on, and return what breaks determinism.
-
-    The script runs in a fresh subprocess in the current directory, with the current environment
-    minus any ``TORCHREPRO_*`` variable (no seeding, no determinism switches), so the settings
-    findings describe the script as its user runs it. Raises ``LaunchError`` when the script is
-    missing or fails (with the tail of its stderr), and ``ValueError`` for a bad ``steps``.
-    """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
-    target = os.fspath(script)
-    if not module and not Path(target).is_file():
-        raise LaunchError(f"Cannot audit {target!r}: no such file (expected a Python training script).")
-    with tempfile.TemporaryDirectory(prefix="torchrepro-audit-") as tmp:
-        ops_prefix = str(Path(tmp) / "ops")
-        settings_path = str(Path(tmp) / "settings.json")
-        runner = "import sys; from torchrepro.audit import _child_main; _child_main(sys.argv[1:])"
-        launch = ["-m", target] if module else ["--", target]
-        cmd = [sys.executable, "-c", runner, *launch, *args]
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=_child_env(ops_prefix, settings_path, steps),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            raise LaunchError(
-                f"Auditing {target!r} took longer than {timeout} s; pass a larger timeout or fewer steps."
-            ) from None
-        if proc.returncode != 0:
-            raise LaunchError(
-                f"The script {target!r} failed while audited (exit code {proc.returncode}); "
-                f"its last output:\n{_tail(proc.stderr or proc.stdout)}"
-            )
-        events = _read_events(Path(tmp))
-        settings = _read_json(Path(settings_path)) if Path(settings_path).is_file() else {}
+def report(*, script: str, steps: int, events: Sequence[Any], settings: Mapping[str, Any]) -> AuditReport:
+    """The audit report of a run: table, op and settings findings, most severe first."""
     calls = settings.get("calls") or ()
     findings = _table_findings() + audit_ops(events, calls=calls) + audit_settings(settings, events=events)
     steps_done = settings.get("optimizer_steps")
     return AuditReport(
         findings=tuple(sorted(findings, key=_sort_key)),
-        script=target,
+        script=script,
         steps=steps,
         optimizer_steps=steps_done if isinstance(steps_done, int) else None,
         ops_recorded=sum(_as_event(e).count for e in events),
@@ -838,295 +758,3 @@ def audit_script(
         table_release=_load_table().release,
         settings=settings,
     )
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TraceError(f"Cannot read the audit's recording {path.name}: {exc}") from None
-
-
-def _read_events(directory: Path) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = []
-    files = sorted(directory.glob("ops.rank*.json"))
-    if not files:
-        raise TraceError(
-            "The audited script ran but left no op recording (expected ops.rank0.json from the bootstrap); "
-            "was it started through torchrepro's bootstrap?"
-        )
-    for path in files:
-        data = _read_json(path)
-        if isinstance(data, Mapping):
-            data = data.get("events", [])
-        if not isinstance(data, list):
-            raise TraceError(f"The op recording {path.name} is not a list of events.")
-        events.extend(data)
-    return events
-
-
-# --------------------------------------------------------------------------------------------
-# Inside the audited child: the settings probe
-
-
-def _user_location() -> str | None:
-    """``file:line`` of the innermost caller outside torch, torchrepro and the standard library."""
-    skip = tuple(
-        os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
-        for f in (torch.__file__, __file__, os.__file__)
-    )
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not os.path.normcase(filename).startswith(skip) and not frame.f_code.co_filename.startswith("<"):
-            try:
-                rel = os.path.relpath(filename)
-            except ValueError:
-                rel = filename
-            shown = filename if rel.startswith("..") else rel
-            return f"{shown}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
-
-
-_RANDOM_SOURCE = re.compile(
-    r"\b(random\.\w+\(|np\.random\.|numpy\.random\.|torch\.(rand|randn|randint|randperm|bernoulli|normal|"
-    r"multinomial)\b|\.(uniform_|normal_|random_|bernoulli_)\(|default_rng\()"
-)
-
-
-def _random_hint(dataset: Any) -> str | None:
-    """A short reason to think ``dataset`` draws random numbers per sample, else None (a heuristic)."""
-    stack: list[Any] = [dataset]
-    seen: set[int] = set()
-    names: list[str] = []
-    while stack and len(seen) < 50:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-            continue
-        cls = type(obj).__name__
-        if cls.startswith("Random") or cls in (
-            "ColorJitter",
-            "AutoAugment",
-            "RandAugment",
-            "TrivialAugmentWide",
-        ):
-            names.append(cls)
-        for attr in (
-            "transform",
-            "transforms",
-            "target_transform",
-            "augment",
-            "augmentation",
-            "dataset",
-            "datasets",
-        ):
-            with contextlib.suppress(Exception):
-                stack.append(getattr(obj, attr, None))
-    if names:
-        return "transforms " + ", ".join(sorted(set(names)))
-    getitem = getattr(type(dataset), "__getitem__", None)
-    try:
-        source = inspect.getsource(getitem) if getitem is not None else ""
-    except (OSError, TypeError):
-        source = ""
-    m = _RANDOM_SOURCE.search(source)
-    if m:
-        return f"{type(dataset).__name__}.__getitem__ calls {m.group(0).rstrip('(')}"
-    return None
-
-
-class _SettingsProbe:
-    """Watches what the audited script sets; writes it as JSON after each optimizer step and at exit."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.start_seed = torch.initial_seed()
-        self.start_env = {
-            k: os.environ.get(k) for k in ("PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-        }
-        self.hash_randomization = bool(sys.flags.hash_randomization)
-        self.set_num_threads_called = False
-        self.dataloaders: list[dict[str, Any]] = []
-        self.compile_calls: list[dict[str, Any]] = []
-        self.optimizer_steps = 0
-        self.calls: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self.requested_deterministic: tuple[bool, bool] | None = None
-
-    def install(self) -> None:
-        import torch.optim.optimizer as optim_mod
-        import torch.utils.data as data_mod
-
-        probe = self
-        original_init = data_mod.DataLoader.__init__
-
-        @functools.wraps(original_init)
-        def init(loader: Any, *a: Any, **kw: Any) -> None:
-            original_init(loader, *a, **kw)
-            with contextlib.suppress(Exception):
-                probe._record_loader(loader)
-
-        data_mod.DataLoader.__init__ = init  # type: ignore[method-assign,assignment]
-
-        original_compile = torch.compile
-
-        @functools.wraps(original_compile)
-        def compile_(*a: Any, **kw: Any) -> Any:
-            backend = kw.get("backend", "inductor")
-            probe.compile_calls.append(
-                {
-                    "location": _user_location(),
-                    "backend": backend
-                    if isinstance(backend, str)
-                    else getattr(backend, "__name__", "custom"),
-                    "mode": kw.get("mode"),
-                }
-            )
-            return original_compile(*a, **kw)
-
-        torch.compile = compile_  # type: ignore[assignment]
-
-        original_deterministic = torch.use_deterministic_algorithms
-
-        @functools.wraps(original_deterministic)
-        def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
-            # Record what the script asks for, but only warn: an op that raises under strict mode
-            # (max_unpool, put_ on the CPU; many more on CUDA) must not stop the audit at the first.
-            probe.requested_deterministic = (bool(mode), bool(warn_only))
-            original_deterministic(mode, warn_only=True)
-
-        torch.use_deterministic_algorithms = use_deterministic_algorithms
-
-        original_threads = torch.set_num_threads
-
-        @functools.wraps(original_threads)
-        def set_num_threads(n: int) -> None:
-            probe.set_num_threads_called = True
-            original_threads(n)
-
-        torch.set_num_threads = set_num_threads  # type: ignore[assignment]
-
-        def after_step(*_: Any) -> None:
-            probe.optimizer_steps += 1
-            probe.write()
-
-        self._watch_calls()
-        optim_mod.register_optimizer_step_post_hook(after_step)
-        atexit.register(self.write)
-
-    def _watch_calls(self) -> None:
-        """Wrap the few functions whose arguments decide a table condition; record the facts by line."""
-        import torch.nn.functional as fn
-
-        def wrap(owner: Any, name: str, facts: Any) -> None:
-            original = getattr(owner, name, None)
-            if original is None:
-                return
-            probe = self
-
-            @functools.wraps(original)
-            def wrapper(*a: Any, **kw: Any) -> Any:
-                with contextlib.suppress(Exception):
-                    if len(probe.calls) < 10_000:
-                        record = {"fn": name.rstrip("_"), "location": _user_location(), **facts(a, kw)}
-                        probe.calls.setdefault(tuple(sorted(record.items())), record)
-                return original(*a, **kw)
-
-            setattr(owner, name, wrapper)
-
-        def pos(a: Sequence[Any], kw: Mapping[str, Any], index: int, key: str, default: Any) -> Any:
-            return kw[key] if key in kw else (a[index] if len(a) > index else default)
-
-        def cumsum(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
-            dtype = kw.get("dtype") or getattr(a[0], "dtype", None)
-            return {"floating": dtype.is_floating_point or dtype.is_complex} if dtype is not None else {}
-
-        def bincount(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
-            return {"weights": pos(a, kw, 1, "weights", None) is not None}
-
-        def scatter_reduce(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
-            return {"reduce": pos(a, kw, 4, "reduce", None)}
-
-        def loss(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
-            reduction = pos(a, kw, 6, "reduction", "mean")
-            return {"reduction": "none" if kw.get("reduce") is False else reduction}
-
-        def embedding_bag(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
-            return {"mode": pos(a, kw, 6, "mode", "mean")}
-
-        for owner in (torch, torch.Tensor):
-            wrap(owner, "cumsum", cumsum)
-            wrap(owner, "bincount", bincount)
-            wrap(owner, "scatter_reduce", scatter_reduce)
-        wrap(torch.Tensor, "cumsum_", cumsum)
-        wrap(torch.Tensor, "scatter_reduce_", scatter_reduce)
-        wrap(fn, "nll_loss", loss)
-        wrap(fn, "cross_entropy", loss)
-        wrap(fn, "embedding_bag", embedding_bag)
-
-    def _record_loader(self, loader: Any) -> None:
-        import torch.utils.data as data_mod
-
-        seeded = any(
-            c.__name__ == "SeededLoader" and c.__module__.startswith("torchrepro")
-            for c in type(loader).__mro__
-        )
-        self.dataloaders.append(
-            {
-                "location": _user_location(),
-                "class": type(loader).__name__,
-                "seeded_loader": seeded,
-                "num_workers": int(loader.num_workers),
-                "worker_init_fn": loader.worker_init_fn is not None,
-                "generator": loader.generator is not None,
-                "shuffle": isinstance(getattr(loader, "sampler", None), data_mod.RandomSampler),
-                "random_hint": _random_hint(loader.dataset),
-            }
-        )
-
-    def snapshot(self) -> dict[str, Any]:
-        inductor = sys.modules.get("torch._inductor.config")
-        deterministic = torch.are_deterministic_algorithms_enabled()
-        warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-        if self.requested_deterministic is not None and self.requested_deterministic[0] == deterministic:
-            warn_only = self.requested_deterministic[1]  # the probe turned a strict request into warn-only
-        return {
-            "hash_randomization": self.hash_randomization,
-            "pythonhashseed": self.start_env["PYTHONHASHSEED"],
-            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-            "deterministic_algorithms": deterministic,
-            "warn_only": warn_only,
-            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
-            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
-            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
-            "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "num_threads": torch.get_num_threads(),
-            "set_num_threads_called": self.set_num_threads_called,
-            "thread_env": {k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
-            "torch_seeded": torch.initial_seed() != self.start_seed,
-            "inductor_deterministic": getattr(inductor, "deterministic", None) if inductor else None,
-            "compile_calls": self.compile_calls,
-            "dataloaders": self.dataloaders,
-            "optimizer_steps": self.optimizer_steps,
-            "calls": list(self.calls.values()),
-            "cuda_initialized": torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
-        }
-
-    def write(self) -> None:
-        with contextlib.suppress(Exception):
-            atomic_write_json(self.path, self.snapshot())
-
-
-def _child_main(argv: list[str]) -> None:
-    """Entry point of the audited child: install the settings probe, then run the bootstrap."""
-    from torchrepro import _bootstrap
-
-    path = os.environ.get(_SETTINGS_ENV)
-    if path:
-        _SettingsProbe(path).install()
-    sys.exit(_bootstrap.main(argv))

@@ -1,0 +1,210 @@
+"""The child protocol: every setting that travels from the command line to a launched child.
+
+Invariants:
+- ``ChildSpec`` is the only place in torchrepro that names a ``TORCHREPRO_*`` environment
+  variable: the parent writes them with ``to_env()``, the child reads them with ``from_env()``.
+- A spec is validated when it is built (``__post_init__``), before any process or directory is
+  created; ``from_env`` validates the same way, so a child never runs on a half-read spec.
+- ``to_env`` also sets the process-start variables only a launcher can set (``PYTHONHASHSEED``,
+  ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``) and drops every
+  ``TORCHREPRO_*`` variable of the base environment, so the caller's own settings never leak in.
+- ``seed=None`` is a plain python run: nothing seeded and no pinned hash seed; switches only
+  when a ``mode`` is given (a seeded spec defaults to ``strict``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torchrepro.errors import SettingsError
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
+from torchrepro.seeding import derive_seed, validate_seed
+
+__all__ = [
+    "CPU_CAPABILITIES",
+    "CPU_CAPABILITY_VAR",
+    "ENV_PREFIX",
+    "LOCATION_VARIABLES",
+    "RELAUNCHED_VAR",
+    "ChildSpec",
+    "python_hash_seed",
+]
+
+ENV_PREFIX = "TORCHREPRO_"
+"""Every variable of the protocol starts with this prefix."""
+
+RELAUNCHED_VAR = ENV_PREFIX + "RELAUNCHED"
+"""Set by ``relaunch`` in the process it re-executes, so it re-executes at most once."""
+
+CPU_CAPABILITY_VAR = "ATEN_CPU_CAPABILITY"
+CPU_CAPABILITIES = ("default", "avx2", "avx512", "sve256", "zvector")
+"""Values of ``ATEN_CPU_CAPABILITY`` PyTorch accepts (the ISA its CPU kernels are dispatched to)."""
+
+# field name -> (variable, kind). ``kind`` says how the value is written and parsed.
+_VARIABLES: dict[str, tuple[str, str]] = {
+    "seed": ("SEED", "int"),
+    "mode": ("MODE", "str"),
+    "threads": ("THREADS", "int"),
+    "record_dir": ("RECORD_DIR", "path"),
+    "record_values": ("RECORD_VALUES", "int"),
+    "max_steps": ("MAX_STEPS", "int"),
+    "trace_step": ("TRACE_STEP", "int"),
+    "trace_out": ("TRACE_OUT", "path"),
+    "trace_optimizer": ("TRACE_OPTIMIZER", "int"),
+    "ops_out": ("OPS_OUT", "path"),
+    "audit_settings_out": ("AUDIT_SETTINGS_OUT", "path"),
+    "num_workers": ("NUM_WORKERS", "str"),
+    "cpu_capability": ("CPU_CAPABILITY", "str"),
+}
+
+LOCATION_VARIABLES = (
+    *(ENV_PREFIX + var for var, kind in _VARIABLES.values() if kind == "path"),
+    ENV_PREFIX + "TRACE_STEP",
+)
+"""Protocol variables that only say where a child writes its records (harmless in an env diff)."""
+
+
+def python_hash_seed(seed: int, *keys: int | str) -> int:
+    """The ``PYTHONHASHSEED`` of a run: ``derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32``.
+
+    >>> python_hash_seed(0) == python_hash_seed(0)
+    True
+    >>> 0 <= python_hash_seed(2**64 - 1) < 2**32
+    True
+    """
+    return derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32
+
+
+def _count(name: str, value: object, minimum: int, what: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SettingsError(f"{name} must be {what}, an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What a launched child does besides running the script; see the module invariants.
+
+    ``num_workers``: ``"other"`` maps every DataLoader's ``num_workers`` to a different value
+    (0 -> 2, n -> 0; ``check --vary workers``), a number pins it. ``hash_seed`` overrides the
+    derived ``PYTHONHASHSEED`` (``--vary hashseed``). ``cpu_capability`` pins the CPU ISA torch
+    dispatches to (``ATEN_CPU_CAPABILITY``). ``trace_step``/``trace_out`` trace the ops of step
+    ``trace_step`` of optimizer ``trace_optimizer`` to ``<trace_out>.rank<R>``; ``ops_out`` records
+    every op (the audit) to ``<ops_out>.rank<R>.json``; ``max_steps`` ends the run with exit code
+    0 after that many optimizer steps.
+    """
+
+    seed: int | None = None
+    mode: str | None = None
+    threads: int | None = None
+    record_dir: str | None = None
+    record_values: int | None = None
+    max_steps: int | None = None
+    trace_step: int | None = None
+    trace_out: str | None = None
+    trace_optimizer: int = 0
+    ops_out: str | None = None
+    audit_settings_out: str | None = None
+    num_workers: str | None = None
+    cpu_capability: str | None = None
+    hash_seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seed is not None:
+            try:
+                validate_seed(self.seed)
+            except ValueError as exc:  # a wrong type stays a TypeError
+                raise SettingsError(str(exc)) from None
+            if self.mode is None:
+                object.__setattr__(self, "mode", "strict")
+        if self.mode is not None and self.mode not in MODES:
+            raise SettingsError(f"mode must be one of {MODES}, got {self.mode!r}")
+        _count("threads", self.threads, 1, "a thread count")
+        _count("record_values", self.record_values, 0, "a number of values")
+        _count("max_steps", self.max_steps, 1, "a number of optimizer steps")
+        _count("trace_step", self.trace_step, 0, "an optimizer step index (0 is the first step)")
+        _count("trace_optimizer", self.trace_optimizer, 0, "an optimizer index")
+        if self.hash_seed is not None and not (
+            isinstance(self.hash_seed, int)
+            and not isinstance(self.hash_seed, bool)
+            and 0 <= self.hash_seed < 2**32
+        ):
+            raise SettingsError(f"hash_seed must be an integer in [0, 2**32), got {self.hash_seed!r}")
+        if (self.trace_step is None) != (self.trace_out is None):
+            raise SettingsError("trace_step and trace_out go together: give both or neither")
+        if self.num_workers is not None and not re.fullmatch(r"other|[0-9]+", self.num_workers):
+            raise SettingsError(f"num_workers must be 'other' or a count >= 0, got {self.num_workers!r}")
+        if self.cpu_capability is not None and self.cpu_capability not in CPU_CAPABILITIES:
+            raise SettingsError(
+                f"cpu_capability must be one of {CPU_CAPABILITIES}, got {self.cpu_capability!r}"
+            )
+        for name in ("record_dir", "trace_out", "ops_out", "audit_settings_out"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, os.fspath(value))
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the child seeds every RNG and sets the switches (``torchrepro run``)."""
+        return self.seed is not None
+
+    def to_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The child's environment: ``base`` (default ``os.environ``) plus this spec.
+
+        >>> env = ChildSpec(seed=3, threads=2).to_env({"PATH": "/bin", "TORCHREPRO_SEED": "9"})
+        >>> env["TORCHREPRO_SEED"], env["TORCHREPRO_MODE"], env["OMP_NUM_THREADS"]
+        ('3', 'strict', '2')
+        >>> ChildSpec().to_env({"PATH": "/bin"})
+        {'PATH': '/bin'}
+        """
+        env = {
+            k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(ENV_PREFIX)
+        }
+        for name, (var, _) in _VARIABLES.items():
+            value = getattr(self, name)
+            if value is None or (name == "trace_optimizer" and self.trace_step is None):
+                continue
+            env[ENV_PREFIX + var] = str(value)
+        if self.seed is not None:
+            hash_seed = python_hash_seed(self.seed) if self.hash_seed is None else self.hash_seed
+            env["PYTHONHASHSEED"] = str(hash_seed)
+            env[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
+        elif self.hash_seed is not None:
+            env["PYTHONHASHSEED"] = str(self.hash_seed)
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+        if self.cpu_capability is not None:
+            env[CPU_CAPABILITY_VAR] = self.cpu_capability
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ChildSpec:
+        """Read the spec a parent wrote (``SettingsError`` naming the variable when one is malformed)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (var, kind) in _VARIABLES.items():
+            text = env.get(ENV_PREFIX + var)
+            if text is None or text == "":
+                continue
+            if kind == "int":
+                try:
+                    values[name] = int(text)
+                except ValueError:
+                    raise SettingsError(f"{ENV_PREFIX + var} must be an integer, got {text!r}") from None
+            else:
+                values[name] = text
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"malformed {ENV_PREFIX}* settings in the environment: {exc}") from None
+
+    def replace(self, **changes: Any) -> ChildSpec:
+        """A copy with ``changes`` (validated again)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return ChildSpec(**values)

@@ -1,0 +1,31 @@
+"""Audit a training script for what would break bitwise determinism, on CUDA included, from a CPU run.
+
+- ``audit.rules``: pure rules (the op table ``ops_table.json`` and the settings rules), no I/O.
+- ``audit.runner``: ``audit_script`` runs the script through the child bootstrap and applies them.
+- The child-side probe lives with every other child hook in ``torchrepro._child.hooks``.
+
+Submodules load lazily: importing ``torchrepro.audit`` imports neither.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrepro._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from torchrepro.audit.rules import AuditReport, Finding, audit_ops, audit_settings
+    from torchrepro.audit.runner import audit_script
+
+__all__ = ["AuditReport", "Finding", "audit_ops", "audit_script", "audit_settings"]
+
+_WHERE = {
+    "AuditReport": "rules",
+    "Finding": "rules",
+    "audit_ops": "rules",
+    "audit_settings": "rules",
+    "audit_script": "runner",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, __all__)

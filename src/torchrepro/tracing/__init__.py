@@ -1,0 +1,48 @@
+"""Op-level tracing: which aten op, module and source line made two runs part.
+
+Invariants:
+- This package is the only place that touches torch's dispatch internals (``TorchDispatchMode``,
+  the autograd node being executed, node metadata). Nothing else in torchrepro imports them.
+- Every aten op of forward and backward is attributed to a module path (dotted, without the root's
+  name: ``layer2.drop``; an op in the root's own ``forward`` gets the root's class name) and to a
+  ``file:line`` of user code: the first frame outside torch, torchrepro and the standard library,
+  relative to the current directory when below it. A backward op of a built-in function gets the
+  module and line of the forward op that created its autograd node; a backward op issued by user
+  code that runs inside backward (a custom ``autograd.Function.backward``, a hook, a checkpoint
+  recomputation) gets that user line.
+- A trace digests the inputs and outputs of every op exactly (every byte); contents of
+  uninitialised memory (``empty``, ``empty_like``, ... and whatever is computed from it before it
+  is overwritten) are never digested as data. In-place and ``out=`` writes, and the hidden running
+  statistics update of batch norm, are digested after the op as outputs.
+- Trace files are JSON, written atomically; recording changes no numerics and no RNG state.
+- One module per job: ``events`` (plain data, no torch), ``sites`` (attribution), ``dispatch``
+  (the dispatch mode and the observer base), ``recorder`` (``OpRecorder``), ``tracer`` (digests,
+  ``Tracer``, ``trace``), ``compare`` (reading and comparing trace files, no torch). Submodules load
+  lazily on first use of a public name: importing this package imports none of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torchrepro._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from torchrepro.tracing.compare import compare_traces
+    from torchrepro.tracing.events import OpDivergence, OpEvent
+    from torchrepro.tracing.recorder import OpRecorder
+    from torchrepro.tracing.tracer import Tracer, trace
+
+__all__ = ["OpDivergence", "OpEvent", "OpRecorder", "Tracer", "compare_traces", "trace"]
+
+_SUBMODULES: dict[str, str] = {
+    "OpDivergence": "events",
+    "OpEvent": "events",
+    "OpRecorder": "recorder",
+    "Tracer": "tracer",
+    "compare_traces": "compare",
+    "trace": "tracer",
+}
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _SUBMODULES, __all__)

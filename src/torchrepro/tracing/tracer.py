@@ -1,0 +1,413 @@
+"""``Tracer``: exact digests of every aten op's inputs and outputs, written as a trace file.
+
+Invariants:
+- A trace digests the inputs and outputs of every op exactly (every byte), and a digest does not
+  depend on the number of hashing threads. Contents of uninitialised memory (``empty``,
+  ``empty_like``, ... and whatever is computed from it before it is overwritten) are never digested
+  as data. In-place and ``out=`` writes, and the hidden running statistics update of batch norm, are
+  digested after the op as outputs.
+- Trace files are JSON (format and version from ``events``), written atomically; tracing changes no
+  numerics and no RNG state; ops inside ``paused()`` are not traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from torchrepro._io import atomic_write_json
+from torchrepro.errors import TraceError
+from torchrepro.hashing import exact_digest as _digest
+from torchrepro.hashing import fingerprinting
+from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
+from torchrepro.tracing.events import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
+
+# Tokens that stand for values that are not data.
+_UNINIT: Final = "uninit"
+"""Contents of uninitialised memory, or computed from it: not compared."""
+_OVERWRITTEN: Final = "overwritten"
+"""An argument the op overwrites entirely without reading it (``out=``, ``self`` of ``fill_``...)."""
+
+# Ops whose result is uninitialised memory.
+_UNINIT_OPS: Final = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::empty_permuted",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::_empty_affine_quantized",
+        "aten::_empty_per_channel_affine_quantized",
+    }
+)
+# In-place ops that overwrite all of ``self`` without reading its contents.
+_FULL_WRITE_OPS: Final = frozenset(
+    {
+        "aten::fill_",
+        "aten::zero_",
+        "aten::copy_",
+        "aten::normal_",
+        "aten::uniform_",
+        "aten::bernoulli_",
+        "aten::random_",
+        "aten::exponential_",
+        "aten::geometric_",
+        "aten::log_normal_",
+        "aten::cauchy_",
+    }
+)
+# Ops that write arguments their schema does not mark as written (positional indices).
+_HIDDEN_WRITES: Final[Mapping[str, tuple[int, ...]]] = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
+# Scalars whose repr is stable across processes.
+_PLAIN_SCALARS: Final = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout)
+_SHORT_SCALARS: Final = 96
+_PLAIN_TENSOR_TYPES: Final = (torch.Tensor, torch.nn.Parameter)
+
+
+# --------------------------------------------------------------------------------------------
+# Tracer: digests of every op's inputs and outputs (for locating a divergence)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _OpInfo:
+    """What an op's schema says about its arguments (positional index or keyword name)."""
+
+    uninit: bool  # its result is uninitialised memory
+    written: frozenset[int | str]  # arguments it writes (schema ``(a!)``, plus hidden writes)
+    overwritten: frozenset[int | str]  # arguments it writes entirely without reading them
+    view: bool  # its outputs are views of its inputs: their values follow from the inputs' values
+
+
+_OP_INFOS: dict[Any, _OpInfo] = {}
+
+
+def _op_info(func: Any) -> _OpInfo:
+    schema = func._schema
+    name = schema.name
+    written: set[int | str] = set()
+    overwritten: set[int | str] = set()
+    for i, arg in enumerate(schema.arguments):
+        key: int | str = arg.name if arg.kwarg_only else i
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written.add(key)
+            if arg.is_out:
+                overwritten.add(key)
+    written.update(_HIDDEN_WRITES.get(name, ()))
+    if name.startswith("c10d::") and name.endswith("_"):  # in-place collectives carry no (a!) marks
+        written.update(i for i, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
+    if name in _FULL_WRITE_OPS:
+        overwritten.add(0)
+    view = bool(getattr(func, "is_view", False)) and not written
+    return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten), view)
+
+
+def _scalar_text(value: Any) -> str:
+    if isinstance(value, _PLAIN_SCALARS):
+        return repr(value)
+    if isinstance(value, torch.memory_format):
+        return str(value)
+    if isinstance(value, torch.Generator):
+        return "<generator>"  # its state is hidden state, like the global RNG's
+    return f"<{type(value).__name__}>"  # opaque objects (process groups, ...): repr has addresses
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _scalar_token(parts: list[str]) -> str:
+    text = "|".join(parts)
+    if len(text) <= _SHORT_SCALARS:
+        return "s:" + text
+    return "s#" + _short_hash(text)
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # sparse, nested, wrapper subclasses
+        return 0
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return int(t._version)
+    except RuntimeError:  # inference tensors keep no version counter: never reuse their digest
+        return -1
+
+
+class Tracer(_Observer):
+    """Record every aten op (forward and backward) with digests of its inputs and outputs.
+
+    ``start()`` begins tracing on this thread; ``stop()`` ends it and writes the trace to ``path``
+    (JSON, atomically) for :func:`compare_traces`. Also a context manager (see :func:`trace`).
+
+    Digests are :func:`torchrepro.fingerprint` of every tensor (exact: every byte counts), computed
+    once per tensor version and reused while the tensor is unchanged. In-place and ``out=`` writes
+    are digested after the op as outputs; results of ``empty``-like ops, and values computed from
+    them before they are overwritten, are recorded as ``uninit`` and never compared as data;
+    non-tensor arguments (Python scalars, dtypes, shapes) form one more input.
+    """
+
+    _what = "Tracer"
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._value_index: dict[str, int] = {}
+        self._op_index: dict[str, int] = {}
+        self._site_index: dict[tuple[str | None, str | None], int] = {}
+        self._records: list[list[Any]] = []
+        self._cache: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int, str]] = {}
+        self._epochs: dict[int, int] = {}
+        self._tainted: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._prune_at = 4096
+        self._infos = _OP_INFOS
+
+    def start(self) -> None:
+        """Start tracing (raises ``TraceError`` if already started)."""
+        if self._mode is None:
+            self._reset()
+        self._start()
+
+    def stop(self) -> Path:
+        """Stop tracing, write the trace file and return its path."""
+        self._stop()
+        try:
+            self._write()
+        finally:
+            self._cache.clear()
+            self._tainted.clear()
+        return self.path
+
+    def __len__(self) -> int:
+        """The number of ops traced so far."""
+        return len(self._records)
+
+    # -- file -----------------------------------------------------------------------------------
+    def _write(self) -> None:
+        rank = None
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            rank = int(dist.get_rank())
+        doc = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "torch": torch.__version__,
+            "rank": rank,
+            "ops": list(self._op_index),
+            "sites": [list(site) for site in self._site_index],
+            "values": list(self._value_index),
+            "records": self._records,
+        }
+        try:
+            atomic_write_json(self.path, doc, indent=None)
+        except OSError as exc:
+            raise TraceError(f"Cannot write the op trace to {self.path}: {exc}.") from None
+
+    # -- digests --------------------------------------------------------------------------------
+    def _intern(self, table: dict[Any, int], key: Any) -> int:
+        index = table.get(key)
+        if index is None:
+            index = table[key] = len(table)
+        return index
+
+    def _token(self, t: torch.Tensor) -> str:
+        key = id(t)
+        ref = self._tainted.get(key)
+        if ref is not None and ref() is t:
+            return _UNINIT
+        version = _version(t)
+        ptr = _storage_ptr(t)
+        epoch = self._epochs.get(ptr, 0)
+        entry = self._cache.get(key)
+        if (
+            entry is not None
+            and entry[1] == version
+            and entry[2] == ptr
+            and entry[3] == epoch
+            and version >= 0
+            and entry[0]() is t
+        ):
+            return entry[4]
+        token = _digest(t)
+        self._cache[key] = (weakref.ref(t), version, ptr, epoch, token)
+        if len(self._cache) > self._prune_at:
+            self._prune()
+        return token
+
+    def _set_token(self, t: torch.Tensor, token: str) -> str:
+        ptr = _storage_ptr(t)
+        self._cache[id(t)] = (weakref.ref(t), _version(t), ptr, self._epochs.get(ptr, 0), token)
+        return token
+
+    def _prune(self) -> None:
+        self._cache = {k: e for k, e in self._cache.items() if e[0]() is not None}
+        self._tainted = {k: r for k, r in self._tainted.items() if r() is not None}
+        self._prune_at = max(4096, 2 * len(self._cache))
+
+    def _taint(self, t: torch.Tensor, tainted: bool) -> None:
+        if tainted:
+            self._tainted[id(t)] = weakref.ref(t)
+        elif id(t) in self._tainted:
+            del self._tainted[id(t)]
+
+    def _outputs(self, values: list[Any], uninit: bool, derived_from: str | None = None) -> list[str]:
+        """Tokens of the op's outputs. ``derived_from`` (for view ops) names the outputs by the op and
+        its input tokens instead of reading their bytes: a view's values are its input's values."""
+        tokens: list[str] = []
+        scalars: list[str] = []
+        seen: set[int] = set()
+        for v in _leaves(values):
+            if isinstance(v, torch.Tensor):
+                if id(v) not in seen:  # an in-place op returns the tensor it wrote
+                    seen.add(id(v))
+                    self._taint(v, uninit)
+                    if uninit:
+                        tokens.append(_UNINIT)
+                    elif derived_from is not None:
+                        text = f"{derived_from}|{len(tokens)}|{tuple(v.shape)}|{v.dtype}"
+                        tokens.append(self._set_token(v, "v" + _short_hash(text)))
+                    else:
+                        tokens.append(self._token(v))
+            else:
+                scalars.append(_scalar_text(v))
+        if scalars:
+            tokens.append(_scalar_token(scalars))
+        return tokens
+
+    # -- the op ---------------------------------------------------------------------------------
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = self._op_name(func)
+        if (
+            self._pause_depth
+            or name.startswith(_IGNORED_NAMESPACES)
+            or fingerprinting()
+            or os.getpid() != self._pid
+        ):
+            return func(*args, **kwargs)
+        with self._lock:
+            info = self._infos.get(func)
+            if info is None:
+                info = self._infos[func] = _op_info(func)
+            module, location, backward = self._sites.attribute(sys._getframe(1))
+            inputs, reads_uninit = self._inputs(info, args, kwargs)
+        out = func(*args, **kwargs)
+        if name.startswith(_COLLECTIVE_NAMESPACES):
+            _wait(out)  # an async collective's outputs hold their result only once it completes
+        with self._lock:
+            written = [_arg(args, kwargs, k) for k in info.written if _has(args, kwargs, k)]
+            for t in _leaves(written):
+                if isinstance(t, torch.Tensor):
+                    ptr = _storage_ptr(t)
+                    self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
+            derived = f"{name}|{'|'.join(inputs)}" if info.view else None
+            outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
+            vi = self._value_index
+            self._records.append(
+                [
+                    self._intern(self._op_index, name),
+                    self._intern(self._site_index, (module, location)),
+                    1 if backward else 0,
+                    [self._intern(vi, tok) for tok in inputs],
+                    [self._intern(vi, tok) for tok in outputs],
+                    0 if threading.get_ident() == self._thread else 1,
+                ]
+            )
+            if not backward or torch.is_grad_enabled():
+                self._sites.remember(out, (module, location))
+        return out
+
+    def _inputs(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], bool]:
+        """Tokens of the op's inputs (non-tensor arguments last, as one) and whether any is uninit."""
+        inputs: list[str] = []
+        scalars: list[str] = []
+        reads_uninit = False
+        items: list[tuple[int | str, Any]] = list(enumerate(args))
+        if kwargs:
+            items.extend(kwargs.items())
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                if key in info.overwritten:
+                    inputs.append(_OVERWRITTEN)
+                    continue
+                token = self._token(value)
+                reads_uninit = reads_uninit or token == _UNINIT
+                inputs.append(token)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        token = _OVERWRITTEN if key in info.overwritten else self._token(v)
+                        reads_uninit = reads_uninit or token == _UNINIT
+                        inputs.append(token)
+                    else:
+                        scalars.append(_scalar_text(v))
+            else:
+                scalars.append(_scalar_text(value))
+        if scalars:
+            inputs.append(_scalar_token(scalars))
+        return inputs, reads_uninit
+
+
+def _has(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> bool:
+    return key < len(args) if isinstance(key, int) else key in kwargs
+
+
+def _wait(out: Any) -> None:
+    """Wait for the ``Work`` handles a c10d op returned (waiting twice is harmless)."""
+    for v in _leaves(out):
+        if isinstance(v, torch.ScriptObject) and hasattr(v, "wait"):
+            v.wait()
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif value is not None:
+        yield value
+
+
+def trace(path: str | os.PathLike[str]) -> Tracer:
+    """Trace every aten op run inside ``with trace(path):`` and write the trace to ``path``.
+
+    Two traces of the same code (two processes, two seeds, two machines) are compared with
+    :func:`compare_traces`, which names the first op whose output differs.
+
+    >>> import os, tempfile, torch
+    >>> import torchrepro
+    >>> d = tempfile.mkdtemp()
+    >>> def step(factor):
+    ...     x = torch.arange(4.0)
+    ...     return (x * 2).sum() * factor
+    >>> with torchrepro.trace(os.path.join(d, "a.json")):
+    ...     _ = step(1.0)
+    >>> with torchrepro.trace(os.path.join(d, "b.json")):
+    ...     _ = step(1.5)
+    >>> d = torchrepro.compare_traces(os.path.join(d, "a.json"), os.path.join(d, "b.json"))
+    >>> d.op, d.inputs_equal
+    ('aten.mul.Tensor', False)
+    """
+    return Tracer(path)
