@@ -1,0 +1,190 @@
+"""The layout's rules, checked: one owner per shared fact, no import cycles, light imports.
+
+See docs/architecture.md for the parts and what each owns.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "torchrepro"
+MODULES = sorted(SRC.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _strings(tree: ast.AST) -> list[tuple[int, str]]:
+    """Every string constant that is not a docstring, with its line."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def _spelled(needles: tuple[str, ...], owner: str) -> list[str]:
+    """Non-docstring strings outside ``owner`` matching a needle (a regular expression)."""
+    found = []
+    for path in MODULES:
+        if _name(path) == owner:
+            continue
+        for line, text in _strings(ast.parse(path.read_text(encoding="utf-8"))):
+            hits = [n for n in needles if re.search(n, text)]
+            if hits:
+                found.append(f"{path.relative_to(SRC.parent)}:{line}: {hits}")
+    return found
+
+
+def test_only_the_child_protocol_names_torchrepro_variables() -> None:
+    assert _spelled(("TORCHREPRO_",), "torchrepro._child.spec") == []
+
+
+RECORD_FILES = (
+    r"command\.json",
+    r"settings\.json",
+    r"env\.json",
+    r"events\.rank",
+    r"(?<!--)trace-step",  # the file prefix, not the --trace-step flag
+    r"verdict\.json",
+    r"stdout\.log",
+    r"stderr\.log",
+)
+
+
+def test_only_runrecord_names_record_files() -> None:
+    assert _spelled(RECORD_FILES, "torchrepro.runrecord") == []
+
+
+def test_the_owner_checks_can_fail() -> None:
+    """Negative control: the scan does see spelled names (a docstring alone does not count)."""
+    tree = ast.parse('"""doc: env.json"""\nx = "TORCHREPRO_SEED"\ny = f"events.rank{0}.jsonl"\n')
+    texts = [t for _, t in _strings(tree)]
+    assert "TORCHREPRO_SEED" in texts and any("events.rank" in t for t in texts)
+    assert not any("env.json" in t for t in texts)
+
+
+def test_only_the_flags_module_spells_modes_and_cublas_values() -> None:
+    assert _spelled((":4096:8", ":16:8", r"\(\s*\"strict\", \"warn\""), "torchrepro.flags") == []
+
+
+def test_only_tracing_touches_dispatch_internals() -> None:
+    offenders = []
+    for path in MODULES:
+        if _name(path).startswith("torchrepro.tracing"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        if "_python_dispatch" in text or "torch._dispatch" in text or "TorchDispatchMode" in text:
+            offenders.append(_name(path))
+    assert offenders == []
+
+
+def _module_level_imports(path: Path, name: str | None = None) -> set[str]:
+    """torchrepro modules imported when ``path`` is imported (not in functions, not TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = _name(path) if name is None else name
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+                visit(getattr(node, "orelse", []))
+                for handler in getattr(node, "handlers", []):
+                    visit(handler.body)
+                visit(getattr(node, "finalbody", []))
+            elif isinstance(node, ast.Import):
+                out.update(a.name for a in node.names if a.name.startswith("torchrepro"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")
+                    base = ".".join(p for p in [*parts[: len(parts) - node.level + 1], base] if p)
+                if not base.startswith("torchrepro"):
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    out.add(sub if any(_name(p) == sub for p in MODULES) else base)
+
+    visit(tree.body)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    graph = {_name(p): _module_level_imports(p) - {_name(p)} for p in MODULES}
+    for name, deps in graph.items():  # importing a.b.c imports its packages a and a.b first
+        for dep in list(deps):
+            parts = dep.split(".")
+            deps.update(".".join(parts[:i]) for i in range(1, len(parts)))
+        deps.discard(name)
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def dfs(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append([*stack[stack.index(dep) :], dep])
+            elif dep not in state:
+                dfs(dep, [*stack, dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            dfs(node, [node])
+    assert cycles == []
+
+
+def test_cycle_detection_can_fail(tmp_path: Path) -> None:
+    """Negative control: the import scan sees the edges a cycle needs."""
+    a = tmp_path / "a.py"
+    a.write_text("from torchrepro import runrecord\nimport torchrepro.launch as _l\nfrom . import check\n")
+    found = _module_level_imports(a, "torchrepro.a")
+    assert {"torchrepro.runrecord", "torchrepro.launch", "torchrepro.check"} <= found
+
+
+def _loaded_after(code: str, first: str = "import torch") -> list[str]:
+    probe = (
+        f"import sys, json; {first}; before = set(sys.modules); {code}; "
+        "print(json.dumps(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return list(json.loads(out.stdout))
+
+
+def test_import_torchrepro_loads_no_submodule() -> None:
+    loaded = _loaded_after("import torchrepro", first="pass")
+    assert [m for m in loaded if m.startswith("torchrepro.")] == ["torchrepro._lazy"]  # stdlib only
+    assert "torch" not in loaded  # nothing at all until a name is used
+
+
+@pytest.mark.parametrize("module", ["torchrepro.data", "torchrepro.seeding", "torchrepro.checkpoint"])
+def test_importing_one_part_does_not_load_tracing(module: str) -> None:
+    loaded = _loaded_after(f"import {module}")
+    assert [m for m in loaded if m.startswith("torchrepro.tracing") or "dispatch" in m] == []
+
+
+def test_using_trace_loads_tracing() -> None:
+    """Control for the test above: the probe does see tracing when it is used."""
+    loaded = _loaded_after("import torchrepro; torchrepro.trace")
+    assert "torchrepro.tracing.tracer" in loaded
