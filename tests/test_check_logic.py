@@ -1,0 +1,230 @@
+"""check's in-process logic: per-run specs (--vary), run environments, the verdict, option validation.
+
+Nothing here starts a process: the checks that run scripts are in tests/cli and tests/e2e.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from torchrepro import runrecord
+from torchrepro._child.spec import ENV_PREFIX, ChildSpec, python_hash_seed
+from torchrepro.check import VARY_CHOICES, CheckResult, _make_run, _run_spec, check_script
+from torchrepro.compare import Divergence
+from torchrepro.errors import LaunchError
+
+BASE = ChildSpec(seed=5, mode="warn", max_steps=3)
+
+
+# --- _run_spec ------------------------------------------------------------------------------------
+
+
+def test_no_vary_gives_every_run_the_base_spec() -> None:
+    assert all(_run_spec(BASE, None, i, seed=5) is BASE for i in range(3))
+
+
+@pytest.mark.parametrize(("base_threads", "first", "later"), [(None, 1, 2), (1, 1, 2), (2, 2, 1), (8, 8, 1)])
+def test_vary_threads_switches_between_one_and_another_count(
+    base_threads: int | None, first: int, later: int
+) -> None:
+    base = BASE.replace(threads=base_threads)
+    specs = [_run_spec(base, "threads", i, seed=5) for i in range(3)]
+    assert [s.threads for s in specs] == [first, later, later]
+    assert all(s.replace(threads=base_threads) == base for s in specs)  # nothing else changes
+
+
+def test_vary_hashseed_derives_one_per_run_from_the_seed() -> None:
+    specs = [_run_spec(BASE, "hashseed", i, seed=5) for i in range(4)]
+    hash_seeds = [s.hash_seed for s in specs]
+    assert hash_seeds == [python_hash_seed(5, "vary", i) for i in range(4)]
+    assert len(set(hash_seeds)) == 4  # different between runs
+    assert [_run_spec(BASE, "hashseed", i, seed=5).hash_seed for i in range(4)] == hash_seeds  # stable
+    assert _run_spec(BASE, "hashseed", 1, seed=6).hash_seed != hash_seeds[1]  # follows the seed
+    assert [s.to_env({})["PYTHONHASHSEED"] for s in specs] == [str(h) for h in hash_seeds]
+    assert all(s.replace(hash_seed=None) == BASE for s in specs)
+
+
+@given(st.integers(0, 2**64 - 1), st.integers(0, 50))
+def test_vary_hashseed_is_a_valid_hash_seed(seed: int, index: int) -> None:
+    spec = _run_spec(ChildSpec(seed=seed), "hashseed", index, seed=seed)
+    assert spec.hash_seed is not None and 0 <= spec.hash_seed < 2**32
+
+
+def test_vary_hashseed_of_an_unseeded_check_still_pins_the_hash_seed() -> None:
+    spec = _run_spec(ChildSpec(), "hashseed", 1, seed=0)
+    env = spec.to_env({})
+    assert env["PYTHONHASHSEED"] == str(python_hash_seed(0, "vary", 1))
+    assert ENV_PREFIX + "SEED" not in env
+
+
+def test_vary_workers_changes_only_later_runs() -> None:
+    specs = [_run_spec(BASE, "workers", i, seed=5) for i in range(3)]
+    assert specs[0] == BASE and specs[0].num_workers is None
+    assert [s.num_workers for s in specs[1:]] == ["other", "other"]
+    assert specs[1].replace(num_workers=None) == BASE
+
+
+@pytest.mark.parametrize("vary", ["bogus", "", "Threads"])
+def test_vary_of_an_unknown_choice_is_refused(vary: str) -> None:
+    with pytest.raises(ValueError, match="vary must be one of"):
+        _run_spec(BASE, vary, 1, seed=5)
+
+
+def test_vary_choices_are_handled() -> None:
+    # every advertised choice changes a later run (the refusal above is not what they hit)
+    for vary in VARY_CHOICES:
+        assert _run_spec(BASE, vary, 1, seed=5) != BASE
+
+
+# --- _make_run ------------------------------------------------------------------------------------
+
+
+def test_make_run_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ENV_PREFIX + "SEED", "99")  # the caller's own protocol variables never leak
+    command = ["python", "-m", "torchrepro._child.bootstrap", "--", "t.py"]
+    run = _make_run(1, Path("checks/run1"), command, BASE, ranks=2)
+    assert run.index == 1 and run.command == command and run.record_dir == Path("checks/run1")
+    assert run.env[ENV_PREFIX + "RECORD_DIR"] == str(tmp_path.resolve() / "checks" / "run1")
+    assert Path(run.env[ENV_PREFIX + "RECORD_DIR"]).is_absolute()
+    assert run.env[ENV_PREFIX + "SEED"] == "5"
+    assert run.env[ENV_PREFIX + "MAX_STEPS"] == "3"
+    assert run.env["PYTHONHASHSEED"] == str(python_hash_seed(5))
+    assert [t.path for t in run.tails] == [runrecord.events_path(Path("checks/run1"), r) for r in range(2)]
+    assert run.proc is None and not (tmp_path / "checks").exists()  # nothing started or created
+    assert run.poll() is False and run.steps_done() == 0
+
+
+def test_steps_done_counts_the_first_optimizers_steps_on_rank_zero(tmp_path: Path) -> None:
+    run = _make_run(0, tmp_path / "run0", ["python"], BASE, ranks=2)
+    run.tails[0].events.extend(
+        [
+            {"kind": "init", "key": "optimizer0"},
+            {"kind": "compute", "key": "optimizer0"},
+            {"kind": "compute", "key": "optimizer1"},
+            {"kind": "compute", "key": "optimizer0"},
+        ]
+    )
+    run.tails[1].events.append({"kind": "compute", "key": "optimizer0"})
+    assert run.steps_done() == 2
+
+
+def test_stderr_tail_shows_the_whole_last_traceback(tmp_path: Path) -> None:
+    run = _make_run(0, tmp_path, ["python"], BASE, ranks=1)
+    assert run.stderr_tail() == ""  # no stderr file
+    lines = [f"noise {i}" for i in range(50)] + ["Traceback (most recent call last):"]
+    lines += [f'  File "t.py", line {i}' for i in range(30)] + ["ValueError: boom"]
+    (tmp_path / runrecord.STDERR_FILE).write_text("\n".join(lines) + "\n")
+    tail = run.stderr_tail().splitlines()
+    assert tail[0] == "Traceback (most recent call last):" and tail[-1] == "ValueError: boom"
+    (tmp_path / runrecord.STDERR_FILE).write_text("\n".join(f"line {i}" for i in range(100)))
+    assert run.stderr_tail(lines=5).splitlines() == [f"line {i}" for i in range(95, 100)]
+
+
+# --- CheckResult ----------------------------------------------------------------------------------
+
+
+def test_check_result_to_dict_shape() -> None:
+    ok = CheckResult(reproducible=True, runs=2, steps_compared=4, first_divergence=None, check_dir="/c")
+    assert ok.to_dict() == {"reproducible": True, "runs": 2, "steps_compared": 4, "first_divergence": None}
+    d = Divergence(step=3, rank=1, kind="compute", op="aten.mm", module="fc", location="t.py:9")
+    diverged = CheckResult(reproducible=False, runs=3, steps_compared=4, first_divergence=d, check_dir="/c")
+    data = diverged.to_dict()
+    assert data["first_divergence"] == {
+        "step": 3,
+        "rank": 1,
+        "kind": "compute",
+        "op": "aten.mm",
+        "module": "fc",
+        "location": "t.py:9",
+    }
+    assert "error" not in data and json.loads(json.dumps(data)) == data
+
+
+def test_check_result_error_only_when_set() -> None:
+    failed = CheckResult(
+        reproducible=None,
+        runs=2,
+        steps_compared=0,
+        first_divergence=None,
+        check_dir="/c",
+        error="run 2 of 2 failed with exit code 1",
+        returncode=1,
+        stderr_tail="Traceback...",
+    )
+    data = failed.to_dict()
+    assert data == {
+        "reproducible": None,
+        "runs": 2,
+        "steps_compared": 0,
+        "first_divergence": None,
+        "error": "run 2 of 2 failed with exit code 1",
+    }
+
+
+# --- check_script's validation: before any directory is created -----------------------------------
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> str:
+    path = tmp_path / "train.py"
+    path.write_text("raise SystemExit('must not run')\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"runs": 1}, "runs must be >= 2"),
+        ({"runs": 0}, "runs must be >= 2"),
+        ({"steps": 0}, "steps must be >= 1"),
+        ({"vary": "bogus"}, "vary must be one of"),
+        ({"mode": "loose"}, "mode"),
+        ({"threads": 0}, "threads"),
+        ({"cpu_capability": "sse9"}, "cpu_capability"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_invalid_options_raise_before_any_directory(
+    tmp_path: Path, script: str, options: dict[str, Any], match: str
+) -> None:
+    root = tmp_path / "checks"
+    with pytest.raises(ValueError, match=match):
+        check_script(script, root=root, **options)
+    assert not root.exists()
+
+
+@pytest.mark.parametrize(
+    ("target", "match"),
+    [
+        ({"script": "missing.py"}, "script not found"),
+        ({"script": None}, "no script given"),
+        ({"script": None, "module": "no_such_module_xyz"}, "module not found"),
+    ],
+)
+def test_missing_target_is_a_launch_error_before_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: dict[str, Any], match: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "checks"
+    with pytest.raises(LaunchError, match=match):
+        check_script(root=root, **target)
+    assert not root.exists()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("options", [{"nproc": 0}, {"nproc": -2}, {"module": "json"}])
+def test_launch_options_are_refused_before_any_directory(
+    tmp_path: Path, script: str, options: dict[str, Any]
+) -> None:
+    root = tmp_path / "checks"
+    with pytest.raises(LaunchError):
+        check_script(script, root=root, **options)
+    assert not root.exists()
