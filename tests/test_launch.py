@@ -65,7 +65,7 @@ def test_build_command_plain_and_torchrun() -> None:
         "--x",
     ]
     cmd = build_command(None, ["a"], module="pkg.train", nproc=2)
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[:3] == [sys.executable, "-m", "torchrepro._child.torchrun"]
     assert "--nproc-per-node=2" in cmd and "--standalone" in cmd
     assert cmd[-5:] == ["-m", "torchrepro._child.bootstrap", "-m", "pkg.train", "a"]
     with pytest.raises(LaunchError):

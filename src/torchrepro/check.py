@@ -37,7 +37,9 @@ from torchrepro.launch import (
     build_command,
     check_target,
     kill_tree,
+    nproc_note,
     run_settings,
+    spawn,
     terminate_on_signals,
 )
 from torchrepro.runrecord import EventTail
@@ -106,13 +108,13 @@ class _Run:
         self.record_dir.mkdir(parents=True, exist_ok=True)
         self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
         self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             self.command,
             env=self.env,
+            new_session=True,
             stdin=subprocess.DEVNULL,
             stdout=self.stdout,
             stderr=self.stderr,
-            start_new_session=True,
         )
 
     def __post_init__(self) -> None:
@@ -290,7 +292,7 @@ def check_script(
             command,
             run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
-    notes: list[str] = []
+    notes = [n for n in [nproc_note(nproc)] if n]
     try:
         with terminate_on_signals():
             divergences, cursors, failed = _watch(
@@ -309,6 +311,7 @@ def check_script(
             error=f"run {failed.index + 1} of {runs} failed with exit code {failed.returncode}",
             returncode=failed.returncode,
             stderr_tail=failed.stderr_tail(),
+            notes=tuple(notes),
         )
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
@@ -316,16 +319,17 @@ def check_script(
     if first is not None and first.kind == "compute" and locate:
         if progress is not None:
             progress(CheckProgress(phase="locating", steps=()))
-        first, locate_notes = _locate(
-            first,
-            check_dir,
-            command,
-            (specs[0], specs[other]),
-            ranks=ranks,
-            progress=progress,
-            poll_interval=poll_interval,
-            serial=serial,
-        )
+        with terminate_on_signals():  # SIGTERM while locating ends the traced re-runs too
+            first, locate_notes = _locate(
+                first,
+                check_dir,
+                command,
+                (specs[0], specs[other]),
+                ranks=ranks,
+                progress=progress,
+                poll_interval=poll_interval,
+                serial=serial,
+            )
         notes.extend(locate_notes)
     result = CheckResult(
         reproducible=first is None,

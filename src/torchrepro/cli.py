@@ -1,17 +1,20 @@
 """The ``torchrepro`` command line: parse, call one library function, render, exit code.
 
 Exit codes everywhere: 0 = reproducible / OK, 1 = not reproducible / findings, 2 = usage error
-or the script itself failed. With ``--json`` stdout holds exactly one JSON object; progress
-and messages go to stderr. The library never prints; only this module does.
+(one line on stderr, before anything is created) or the script itself failed; ``run`` passes
+the script's code through, 128+N for a death by signal N (and so does an interrupted command).
+``-m MODULE`` ends torchrepro's options as in python. With ``--json`` stdout holds exactly one
+JSON object; progress and messages go to stderr. The library never prints; only this module does.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torchrepro
 
@@ -24,10 +27,36 @@ EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (what was wrong, where to look) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _TopParser(_Parser):
+    """The ``torchrepro`` parser: ``-m MODULE`` ends torchrepro's options, as in python."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        own, target = _split_module(self, list(sys.argv[1:] if args is None else args))
+        parsed = super().parse_args(own, namespace)
+        if target is not None:
+            rest = target[1:]
+            if rest[:1] == ["--"]:  # `-m pkg -- --flag`, the spelling that worked before: same meaning
+                rest = rest[1:]
+            parsed.module, parsed.args = target[0], rest
+        return parsed
+
+
 def _add_script_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", dest="module", metavar="MODULE", help="run a module, like python -m")
+    p.add_argument(
+        "-m",
+        dest="module",
+        metavar="MODULE",
+        help="run a module, like python -m: every argument after it is the module's",
+    )
     p.add_argument("script", nargs="?", help="the training script to run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script or module")
 
 
 def _add_cpu_capability(p: argparse.ArgumentParser) -> None:
@@ -37,77 +66,129 @@ def _add_cpu_capability(p: argparse.ArgumentParser) -> None:
         "--cpu-capability",
         choices=CPU_CAPABILITIES,
         default=None,
+        metavar="ISA",
         help="pin the CPU instruction set torch's kernels use (ATEN_CPU_CAPABILITY; CPU results "
-        "change with it); recorded in the run's settings. Default: whatever this CPU supports",
+        f"change with it): one of {', '.join(CPU_CAPABILITIES)}; recorded in the run's settings. "
+        "Default: whatever this CPU supports",
     )
 
 
-def _step_index(text: str) -> int:
-    """argparse type of an optimizer step index: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer >= 0 (an optimizer step index), got {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is the first optimizer step), got {value}")
-    return value
+def _integer(minimum: int, what: str, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer in [minimum, maximum], refused with what is accepted."""
+    accepted = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, {accepted}; got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {what}, {accepted}; got {value}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     from torchrepro.check import VARY_CHOICES
     from torchrepro.flags import MODES
+    from torchrepro.seeding import MAX_SEED
 
-    parser = argparse.ArgumentParser(
+    seed_type = _integer(0, "a seed", MAX_SEED)
+    threads_type = _integer(1, "a thread count")
+    nproc_type = _integer(1, "a number of ranks")
+    mode_help = "determinism switches: strict (deterministic kernels, errors for ops without one), "
+    mode_help += "warn (the same, but those ops only warn), off (PyTorch's defaults); default strict"
+
+    parser = _TopParser(
         prog="torchrepro",
         description="Bit-for-bit reproducible PyTorch training runs, and where and why they are not.",
+        epilog="Exit codes: 0 reproducible / OK, 1 not reproducible / findings, 2 usage error or the "
+        "script failed; a script killed by signal N: 128+N.",
     )
     parser.add_argument("--version", action="version", version=f"torchrepro {torchrepro.__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("run", help="run a script with every RNG seeded and determinism switches set")
-    p.add_argument("--seed", type=int, default=0, help="the run's seed (default 0)")
-    p.add_argument("--mode", choices=MODES, default="strict")
-    p.add_argument("--threads", type=int, default=None, help="pin torch/OMP/MKL threads to N")
+    p.add_argument("--seed", type=seed_type, default=0, help="the run's seed, 0 to 2**64-1 (default 0)")
+    p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
+    p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
     _add_cpu_capability(p)
-    p.add_argument("--nproc", type=int, default=None, help="launch N ranks through torchrun")
-    p.add_argument("--record", metavar="DIR", default=None, help="write the run record to DIR")
+    p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks through torchrun")
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        default=None,
+        help="write the run record to DIR (a new or empty directory; default .torchrepro/runs/<id>)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --record: replace the record already in DIR (other files in it are kept)",
+    )
     p.add_argument(
         "--trace-step",
         metavar="K",
-        type=_step_index,
+        type=_integer(0, "an optimizer step index (0 is the first step)"),
         default=None,
         help="also record an op trace of optimizer step K (0-based) in the run record "
         "(one file per rank), so that `torchrepro compare` of two such runs diverging at step K "
         "names the op, module and line where they part",
     )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object on stdout when the script ends: its exit code and the record path",
+    )
     _add_script_args(p)
 
     p = sub.add_parser("check", help="run a script several times and report the first divergence")
-    p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=None, help="stop every run after N optimizer steps")
-    p.add_argument("--nproc", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mode", choices=MODES, default="strict")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--runs", type=_integer(2, "a number of runs"), default=2, help="how many runs to compare (default 2)"
+    )
+    p.add_argument(
+        "--steps",
+        type=_integer(1, "a number of optimizer steps"),
+        default=None,
+        help="stop every run after N optimizer steps (default: run the script to its end)",
+    )
+    p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks per run through torchrun")
+    p.add_argument("--seed", type=seed_type, default=0, help="the runs' seed, 0 to 2**64-1 (default 0)")
+    p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
+    p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
     _add_cpu_capability(p)
-    p.add_argument("--no-seed", action="store_true", help="run as plain python would")
-    p.add_argument("--vary", choices=VARY_CHOICES, default=None)
+    p.add_argument(
+        "--no-seed", action="store_true", help="run as plain python would (no seeding, no switches)"
+    )
+    p.add_argument(
+        "--vary",
+        choices=VARY_CHOICES,
+        default=None,
+        help="change one thing in the later runs to test that the result does not depend on it: "
+        "workers (every DataLoader's num_workers), threads (1 <-> 2), hashseed (PYTHONHASHSEED)",
+    )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument("--serial", action="store_true", help="run the first run alone, then the others")
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--json", action="store_true", help="print the verdict as one JSON object on stdout (with notes)"
+    )
     _add_script_args(p)
 
     p = sub.add_parser("compare", help="compare two recorded runs")
-    p.add_argument("run_a")
-    p.add_argument("run_b")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("run_a", help="a run-record directory (torchrepro run --record DIR)")
+    p.add_argument("run_b", help="another run-record directory")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
 
     p = sub.add_parser("audit", help="find what would break determinism on CUDA, from a CPU run")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    p.add_argument(
+        "--steps",
+        type=_integer(1, "a number of optimizer steps"),
+        default=1,
+        help="optimizer steps to run before stopping the script (default 1)",
+    )
     _add_script_args(p)
 
     p = sub.add_parser("env", help="the environment fingerprint, or the diff of two")
@@ -125,12 +206,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("a", help="environment JSON file or run-record directory")
     d.add_argument("b", help="environment JSON file or run-record directory")
-    d.add_argument("--json", action="store_true", dest="diff_json")
+    d.add_argument("--json", action="store_true", dest="diff_json", help="print one JSON object")
     return parser
 
 
+_TARGET_COMMANDS = ("run", "check", "audit")
+
+
+def _split_module(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """Split ``argv`` at ``-m MODULE`` like python does: ``(torchrepro's argv, [MODULE, *its args])``.
+
+    Everything after ``-m MODULE`` (or ``-mMODULE``) is the module's, options included. Scanning
+    stops at the script (the first positional that is not an option's value) or at ``--``.
+    """
+    if not argv or argv[0] not in _TARGET_COMMANDS:
+        return argv, None
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    takes_value = {
+        option
+        for action in sub.choices[argv[0]]._actions
+        if action.nargs != 0 and action.dest != "module"
+        for option in action.option_strings
+    }
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--" or not token.startswith("-"):
+            break
+        if token == "-m":
+            return (argv[:i], argv[i + 1 :]) if i + 1 < len(argv) else (argv, None)
+        if token.startswith("-m") and not token.startswith("--"):
+            return argv[:i], [token[2:], *argv[i + 1 :]]
+        i += 2 if token in takes_value else 1
+    return argv, None
+
+
 def _script_target(args: argparse.Namespace) -> tuple[str | None, str | None, list[str]]:
-    """(script, module, script args): with ``-m`` the first positional is the module's argument."""
+    """(script, module, script args): with ``-m`` a positional after it is the module's argument."""
     script, rest = args.script, list(args.args)
     if args.module is not None and script is not None:
         rest.insert(0, script)
@@ -139,6 +251,8 @@ def _script_target(args: argparse.Namespace) -> tuple[str | None, str | None, li
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    import json
+
     from torchrepro.launch import launch
 
     script, module, rest = _script_target(args)
@@ -152,10 +266,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cpu_capability=args.cpu_capability,
         nproc=args.nproc,
         record_dir=args.record,
+        overwrite=args.overwrite,
         trace_step=args.trace_step,
     )
-    print(f"torchrepro run: exit code {result.returncode}; record in {result.record_dir}", file=sys.stderr)
-    return result.returncode
+    code = result.exit_code
+    if args.json:
+        print(json.dumps({"exit_code": code, "record": result.record_dir}))
+    for note in result.notes:
+        print(f"torchrepro run: {note}", file=sys.stderr)
+    print(f"torchrepro run: exit code {code}; record in {result.record_dir}", file=sys.stderr)
+    return code
 
 
 def _render_divergence(d: dict[str, object]) -> str:
@@ -212,7 +332,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"torchrepro check: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps(verdict))
+        print(json.dumps({**verdict, "notes": list(result.notes)}, allow_nan=False))
     elif result.error is None:
         if result.reproducible:
             print(f"reproducible: {result.runs} runs identical over {result.steps_compared} optimizer steps")
@@ -281,12 +401,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     from torchrepro.audit import audit_script
 
     script, module, rest = _script_target(args)
-    if (script is None) == (module is None):
-        print("torchrepro audit: give a script (or -m module) to audit", file=sys.stderr)
-        return EXIT_USAGE
-    if args.steps < 1:
-        print(f"torchrepro audit: --steps must be at least 1, got {args.steps}", file=sys.stderr)
-        return EXIT_USAGE
     target = module if module is not None else script
     assert target is not None
     report = audit_script(target, rest, steps=args.steps, module=module is not None)
@@ -382,15 +496,26 @@ _COMMANDS = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchrepro`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if args.command is None:
         parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command in _TARGET_COMMANDS and args.module is None and args.script is None:
+        print(
+            f"torchrepro {args.command}: error: give a script (or -m MODULE) to {args.command} "
+            f"(see `torchrepro {args.command} --help`)",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         return _COMMANDS[args.command](args)
     except torchrepro.ReproError as exc:
         print(f"torchrepro {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"torchrepro {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (launch.Terminated)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"torchrepro {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,19 +30,24 @@ from typing import Any
 
 from torchrepro import runrecord
 from torchrepro._child.spec import RELAUNCHED_VAR, ChildSpec, python_hash_seed
+from torchrepro._proc import descendants, exit_code, kill_tree
 from torchrepro.errors import LaunchError, SettingsError
 from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
 from torchrepro.seeding import validate_seed
 
 __all__ = [
     "RunResult",
+    "Terminated",
     "build_command",
     "child_env",
+    "descendants",
     "kill_tree",
     "launch",
+    "nproc_note",
     "python_hash_seed",
     "relaunch",
     "run_settings",
+    "spawn",
 ]
 
 _bootstrapped = False
@@ -82,6 +86,8 @@ def child_env(
 
 
 _BOOTSTRAP = "torchrepro._child.bootstrap"
+_SUPERVISOR = "torchrepro._child.supervisor"
+_TORCHRUN = "torchrepro._child.torchrun"
 
 
 def build_command(
@@ -95,7 +101,7 @@ def build_command(
         return [sys.executable, "-m", _BOOTSTRAP, *target, *args]
     if nproc < 1:
         raise SettingsError(f"--nproc must be >= 1, got {nproc}")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    torchrun = [sys.executable, "-m", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"]
     return [*torchrun, "-m", _BOOTSTRAP, *target, *args]
 
 
@@ -150,75 +156,48 @@ def run_settings(
 
 @dataclass(frozen=True)
 class RunResult:
-    """What ``launch`` did: the script's exit code and where its record is (None: not recorded)."""
+    """What ``launch`` did: the script's exit code and where its record is (None: not recorded).
+
+    ``returncode`` is the supervisor's (the script's exit code, 128+N for a death by signal N);
+    ``exit_code`` is the same as a shell reports it; ``notes`` say what the user should know.
+    """
 
     returncode: int
     record_dir: str | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def exit_code(self) -> int:
+        """The exit code a shell would report (128+N for a death by signal N)."""
+        return exit_code(self.returncode)
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8", errors="replace") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
+def nproc_note(nproc: int | None) -> str | None:
+    """A warning when ``nproc`` ranks exceed this machine's CPUs (None: nothing to say)."""
+    cpus = os.cpu_count() or 1
+    if nproc is not None and nproc > cpus:
+        return (
+            f"--nproc {nproc} is more than this machine's {cpus} CPU(s): the ranks share cores, "
+            "which is slower (results are the same)"
+        )
+    return None
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first), from ``/proc``; empty elsewhere."""
-    tree = _children_map()
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def spawn(
+    command: Sequence[str], *, env: Mapping[str, str], new_session: bool = False, **popen: Any
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` under the supervisor (``_child.supervisor``): nothing it starts outlives
+    it, and nothing outlives this process, whatever ends it (even SIGKILL)."""
+    argv = [sys.executable, "-m", _SUPERVISOR, str(os.getpid()), "--", *command]
+    return subprocess.Popen(argv, env=dict(env), start_new_session=new_session, **popen)
 
 
-def kill_tree(pid: int, *, grace: float = 0.0) -> None:
-    """End ``pid`` and every process below it (new sessions included, e.g. torchrun ranks).
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised like Ctrl-C so that ``finally`` blocks clean up."""
 
-    With ``grace`` > 0 the tree first gets SIGTERM and that long to exit. Then every process is
-    stopped (so none can fork a new one), the tree listed again, and everything killed.
-    """
-    if grace > 0:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.02)
-    seen: set[int] = set()
-    for _ in range(5):
-        found = [p for p in [pid, *descendants(pid)] if p not in seen]
-        if not found:
-            break
-        for p in found:
-            seen.add(p)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, signal.SIGSTOP)
-    for p in seen:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(p, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        waited, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    return waited == 0
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
 
 
 @contextlib.contextmanager
@@ -226,7 +205,7 @@ def terminate_on_signals() -> Iterator[None]:
     """Turn SIGTERM (and SIGHUP) into ``KeyboardInterrupt`` so ``finally`` blocks clean up."""
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise Terminated(signum)
 
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -249,6 +228,7 @@ def launch(
     threads: int | None = None,
     nproc: int | None = None,
     record_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
     trace_step: int | None = None,
     cpu_capability: str | None = None,
 ) -> RunResult:
@@ -258,7 +238,8 @@ def launch(
     records an op trace of optimizer step k (0-based, the first optimizer's) per rank in the
     record, so ``torchrepro compare`` can name the op, module and line where two runs part at
     that step. ``cpu_capability`` pins ``ATEN_CPU_CAPABILITY`` (the CPU ISA torch's kernels use).
-    Ctrl-C and SIGTERM end the whole process tree.
+    ``record_dir`` must be new or empty unless ``overwrite`` (then its record files are
+    replaced). Ctrl-C and SIGTERM end the whole process tree; so does this process's death.
     """
     # validated before anything is created: a bad setting leaves no directory behind
     spec = ChildSpec(
@@ -271,27 +252,31 @@ def launch(
     )
     check_target(script, module)
     command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
+    notes = tuple(n for n in [nproc_note(nproc)] if n)
     run_dir = Path(record_dir) if record_dir is not None else runrecord.new_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in runrecord.stale_traces(run_dir):  # a reused record: old traces would mislead
-        stale.unlink()
-    spec = spec.replace(
-        record_dir=os.fspath(run_dir.resolve()),
-        trace_out=None if trace_step is None else os.fspath(runrecord.trace_prefix(run_dir, trace_step)),
-    )
-    env = spec.to_env()
-    runrecord.write_run_files(
-        run_dir, command, run_settings(spec, env, script=script, module=module, nproc=nproc)
-    )
-    proc = subprocess.Popen(command, env=env)
-    try:
-        with terminate_on_signals():
-            returncode = proc.wait()
-    except KeyboardInterrupt:
-        kill_tree(proc.pid, grace=2.0)
-        proc.wait()
-        raise
-    return RunResult(returncode=returncode, record_dir=os.fspath(run_dir))
+    with runrecord.claim(run_dir, overwrite=overwrite):
+        spec = spec.replace(
+            record_dir=os.fspath(run_dir.resolve()),
+            trace_out=None if trace_step is None else os.fspath(runrecord.trace_prefix(run_dir, trace_step)),
+        )
+        env = spec.to_env()
+        runrecord.write_run_files(
+            run_dir, command, run_settings(spec, env, script=script, module=module, nproc=nproc)
+        )
+        # torchrun and its ranks get a session of their own: a Ctrl-C reaches only this process,
+        # which ends them all quietly (otherwise every rank and the agent print tracebacks).
+        proc = spawn(command, env=env, new_session=nproc is not None)
+        try:
+            with terminate_on_signals():
+                returncode = proc.wait()
+        except KeyboardInterrupt:
+            if nproc is None:  # the script got the Ctrl-C too: let it print its traceback and exit
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
+            kill_tree(proc.pid)
+            proc.wait()
+            raise
+    return RunResult(returncode=returncode, record_dir=os.fspath(run_dir), notes=notes)
 
 
 def _start_settings_missing(seed: int, threads: int | None) -> dict[str, str]:

@@ -18,22 +18,25 @@ events line (a killed run) is ignored. This module imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchrepro._io import atomic_write_json
-from torchrepro.errors import EnvFileError, LaunchError
+from torchrepro.errors import EnvFileError, LaunchError, SettingsError
 
 __all__ = [
     "COMMAND_FILE",
     "ENV_FILE",
+    "LOCK_FILE",
     "SETTINGS_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
@@ -42,6 +45,7 @@ __all__ = [
     "EventTail",
     "RunRecord",
     "RunSettings",
+    "claim",
     "events_path",
     "load_run",
     "new_run_dir",
@@ -65,6 +69,8 @@ STDOUT_FILE = "stdout.log"
 STDERR_FILE = "stderr.log"
 TRACE_PREFIX = "trace-step"
 """Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>``."""
+LOCK_FILE = ".torchrepro-lock"
+"""Held (``flock``) by the run writing a record directory; ignored when a directory is checked."""
 
 _EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 _TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
@@ -122,6 +128,63 @@ def ops_files(directory: str | os.PathLike[str]) -> list[Path]:
 def stale_traces(run_dir: str | os.PathLike[str]) -> list[Path]:
     """The op traces already in ``run_dir`` (a reused record: old traces would mislead)."""
     return sorted(p for p in Path(run_dir).glob(f"{TRACE_PREFIX}*.rank*") if _TRACE_RE.match(p.name))
+
+
+def _is_record_file(name: str) -> bool:
+    fixed = (COMMAND_FILE, SETTINGS_FILE, ENV_FILE, VERDICT_FILE, STDOUT_FILE, STDERR_FILE)
+    return name in fixed or bool(_EVENTS_RE.match(name) or _TRACE_RE.match(name))
+
+
+@contextlib.contextmanager
+def claim(run_dir: str | os.PathLike[str], *, overwrite: bool = False) -> Iterator[Path]:
+    """Hold ``run_dir`` for one run's record, refusing one that already holds files.
+
+    A directory that does not exist is created; an empty one is taken. A directory holding files
+    is refused (``SettingsError``, nothing touched) unless ``overwrite``: then the record files
+    in it are removed (other files are kept). While held, a second run into the same directory
+    is refused (an ``flock`` on ``LOCK_FILE``), so two runs never interleave their events.
+    """
+    root = Path(run_dir)
+    hint = "give a new or empty directory"
+    if root.exists() and not root.is_dir():
+        raise SettingsError(f"record directory {os.fspath(root)!r} is a file, not a directory; {hint}")
+
+    def others() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.name != LOCK_FILE) if root.is_dir() else []
+
+    def refuse(names: list[str]) -> SettingsError:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return SettingsError(
+            f"record directory {os.fspath(root)!r} already holds {len(names)} file(s) ({shown}); "
+            f"{hint}, or pass --overwrite to replace the record in it (other files are kept)"
+        )
+
+    if others() and not overwrite:
+        raise refuse(others())
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        raise SettingsError(
+            f"cannot create the record directory {os.fspath(root)!r}: {exc}; {hint}"
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SettingsError(
+                f"record directory {os.fspath(root)!r} is being written by another run right now; "
+                "give each run its own directory"
+            ) from None
+        if overwrite:
+            for name in others():
+                if _is_record_file(name):
+                    (root / name).unlink()
+        elif others():  # a file appeared since the check above
+            raise refuse(others())
+        yield root
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)

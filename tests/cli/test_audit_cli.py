@@ -129,7 +129,10 @@ def test_failing_script_exits_2_with_its_traceback(capsys: pytest.CaptureFixture
     ("argv", "message"),
     [
         (["audit", "no_such_script.py"], "no such file"),
-        (["audit", "--steps", "0", str(SCRIPTS / "clean.py")], "--steps must be at least 1"),
+        (
+            ["audit", "--steps", "0", str(SCRIPTS / "clean.py")],
+            "--steps: must be a number of optimizer steps",
+        ),
         (["audit"], "give a script"),
     ],
 )

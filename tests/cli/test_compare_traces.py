@@ -138,7 +138,5 @@ def test_launch_rejects_a_bad_trace_step(bad: Any, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", ["-1", "x", "1.5"])
 def test_cli_trace_step_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["run", "--trace-step", bad, str(SCRIPT)])
-    assert exc.value.code == 2
+    assert main(["run", "--trace-step", bad, str(SCRIPT)]) == 2
     assert "--trace-step" in capsys.readouterr().err

@@ -42,7 +42,13 @@ def script(name: str) -> str:
 def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp_path: Path) -> None:
     code, verdict, err = check(tmp_path, script("unseeded.py"))
     assert (code, verdict["reproducible"]) == (0, True), err
-    assert verdict == {"reproducible": True, "runs": 2, "steps_compared": 4, "first_divergence": None}
+    assert verdict == {
+        "reproducible": True,
+        "runs": 2,
+        "steps_compared": 4,
+        "first_divergence": None,
+        "notes": [],
+    }
 
     code, verdict, err = check(tmp_path, "--no-seed", script("unseeded.py"))
     assert (code, verdict["reproducible"]) == (1, False), err

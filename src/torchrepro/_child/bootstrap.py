@@ -19,6 +19,7 @@ import importlib.machinery
 import importlib.util
 import io
 import os
+import signal
 import sys
 import traceback
 import types
@@ -262,13 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             assert module is not None
             sys.path[0] = os.getcwd()
-            code, module_spec = _module_code(module)
+            module_code, module_spec = _module_code(module)
             sys.argv = [module_spec.origin or module, *args]
-            _run_as_main(code, file=module_spec.origin, spec=module_spec)
+            _run_as_main(module_code, file=module_spec.origin, spec=module_spec)
     except _MaxStepsReached:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    except KeyboardInterrupt as exc:  # Ctrl-C: the user's frames, and the code a shell shows
+        _print_user_traceback(exc)
+        code = 128 + signal.SIGINT
     except Exception as exc:
         _print_user_traceback(exc)
         code = 1

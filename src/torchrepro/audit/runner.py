@@ -23,7 +23,7 @@ from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec
 from torchrepro.audit.rules import AuditReport, report
 from torchrepro.errors import EnvFileError, LaunchError, TraceError
-from torchrepro.launch import build_command, kill_tree, terminate_on_signals
+from torchrepro.launch import build_command, kill_tree, spawn, terminate_on_signals
 
 __all__ = ["audit_script"]
 
@@ -76,13 +76,8 @@ def _run(
     """Run the audited child as a process tree of its own; its exit code and captured output."""
     out_path = tmp / runrecord.STDERR_FILE
     with open(out_path, "wb") as out:
-        proc = subprocess.Popen(
-            command,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        proc = spawn(
+            command, env=env, new_session=True, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
         try:
             with terminate_on_signals():

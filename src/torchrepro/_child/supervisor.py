@@ -1,0 +1,91 @@
+"""The supervisor: ``python -m torchrepro._child.supervisor PARENT_PID -- command...``.
+
+Every child torchrepro starts runs under one (``launch.spawn``), so that whatever happens to
+torchrepro, nothing it started outlives it. Invariants:
+- It is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): every process below it that loses
+  its parent (a script's own children, DataLoader workers, torchrun ranks in their own sessions)
+  is reparented to it, so the whole tree stays findable.
+- When the script ends, everything left below it is ended; the supervisor exits with the
+  script's exit code, or 128+N when a signal N killed it.
+- When torchrepro dies (even by SIGKILL: ``PR_SET_PDEATHSIG``), or sends SIGTERM or SIGHUP, the
+  whole tree is stopped and killed at once, silently (no process gets to print a traceback).
+- SIGINT is left to the script (a Ctrl-C in a terminal reaches it directly, and it shows the
+  user's own traceback); the supervisor itself ignores it.
+- Imports only the standard library; on other systems it degrades to a plain wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from torchrepro._proc import descendants, exit_code, kill_tree
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
+    except (OSError, AttributeError):  # not Linux
+        return False
+
+
+def _end_tree() -> None:
+    """Stop and kill everything below this process, then reap it."""
+    for child in descendants(os.getpid()):
+        kill_tree(child)
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] != 0:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    """Run ``argv``'s command under supervision; return the exit code to report."""
+    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
+        print("usage: python -m torchrepro._child.supervisor PARENT_PID -- command...", file=sys.stderr)
+        return 2
+    parent, command = int(argv[0]), argv[2:]
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    stop = {"signal": 0}
+
+    def on_stop(signum: int, frame: Any) -> None:
+        stop["signal"] = signum
+        _end_tree()
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_stop)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # torchrepro died before the death signal was armed
+        return 128 + signal.SIGTERM
+    try:
+        proc = subprocess.Popen(command)
+    except OSError as exc:
+        print(f"torchrepro: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the start: the script keeps its own handler
+    code: int | None = None
+    while code is None:
+        try:
+            pid, status = os.waitpid(-1, 0)  # the script, or an orphan reparented to us
+        except ChildProcessError:
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        if pid == proc.pid:
+            proc.returncode = code = exit_code(os.waitstatus_to_exitcode(status))
+    _end_tree()
+    if stop["signal"]:
+        return 128 + stop["signal"]
+    return 0 if code is None else code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
