@@ -8,18 +8,256 @@ plain torch does what the issue describes (so the test cannot pass vacuously).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
-from torchrepro import load_checkpoint
+import torchrepro
+from torchrepro import CheckpointError, ReproWarning, latest_checkpoint, load_checkpoint
 from torchrepro import save_checkpoint as save
 from torchrepro._io import TMP_SUFFIX, atomic_write_json
+from torchrepro.errors import CheckpointWriteError
 
 pytestmark = pytest.mark.usefixtures("rng_changes_ok")  # building modules draws from the torch RNG
+
+SRC = str(Path(torchrepro.__file__).resolve().parents[1])
+
+
+def run_child(script: str, *args: str) -> dict[str, Any]:
+    """Run ``script`` in a fresh interpreter that imports this torchrepro; return its last line as JSON."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def assert_clean(error: BaseException) -> None:
+    """Never a raw OS or torch traceback underneath."""
+    assert error.__cause__ is None and (error.__context__ is None or error.__suppress_context__)
+
+
+# --------------------------------------------------------------------------- not a readable file
+
+
+def _put_in_the_way(kind: str, path: Path) -> str:
+    """Put something that is not a readable checkpoint file at ``path``; return the words that
+    name it in the error."""
+    if kind == "directory":
+        path.mkdir()
+        return "is a directory"
+    if kind == "symlink-loop":
+        path.symlink_to(path.name)  # x.pt -> x.pt
+        return "symbolic link loop"
+    if kind == "dangling-symlink":
+        path.symlink_to("gone.pt")
+        return "symbolic link to a file that does not exist"
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer forever
+        return r"named pipe \(FIFO\)"
+    raise AssertionError(kind)
+
+
+IN_THE_WAY = ["directory", "symlink-loop", "dangling-symlink", "fifo"]
+
+
+@pytest.mark.parametrize("kind", IN_THE_WAY)
+def test_a_path_that_is_not_a_checkpoint_file_is_a_checkpoint_error(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "x.pt"
+    words = _put_in_the_way(kind, path)
+    if kind in ("directory", "symlink-loop"):  # control: what a plain open (and torch.load) raises
+        with pytest.raises(OSError):
+            open(path, "rb").close()
+    with pytest.raises(CheckpointError, match=rf"^Checkpoint {re.escape(str(path))} .*{words}") as info:
+        load_checkpoint(path, model=nn.Linear(2, 2))
+    assert_clean(info.value)
+    # the good case: a checkpoint file at that name loads
+    if path.is_dir() and not path.is_symlink():
+        path.rmdir()
+    else:
+        path.unlink()
+    save(path, model=nn.Linear(2, 2), step=3)
+    assert load_checkpoint(path, model=nn.Linear(2, 2)) == {"step": 3}
+
+
+@pytest.mark.parametrize("kind", IN_THE_WAY)
+def test_latest_skips_what_is_not_a_readable_checkpoint_with_a_warning(tmp_path: Path, kind: str) -> None:
+    save(tmp_path / "step-1.pt", step=1)
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step-1.pt")  # the good case, alone
+    words = _put_in_the_way(kind, tmp_path / "step-2.pt")
+    where = re.escape(str(tmp_path / "step-2.pt"))
+    with pytest.warns(ReproWarning, match=rf"Skipping checkpoint: Checkpoint {where} .*{words}"):
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "step-1.pt")
+
+
+UNREADABLE = r"""
+import ctypes, json, os, sys, warnings
+
+if os.geteuid() == 0:
+    # Root reads a file whatever its mode. Drop the two capabilities that let it (for this thread,
+    # before torch starts any other), so chmod 000 means for root what it means for anyone.
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(header), data) == 0, ctypes.get_errno()
+    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        data[0].effective &= ~(1 << cap)
+        data[0].permitted &= ~(1 << cap)
+    assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+
+import torchrepro
+from torchrepro import CheckpointError
+
+directory, unreadable, locked = sys.argv[1:4]
+result = {}
+try:  # control: the file really is unreadable for this process
+    open(unreadable, "rb").close()
+    result["open"] = "readable"
+except PermissionError as e:
+    result["open"] = type(e).__name__
+try:
+    torchrepro.load_checkpoint(unreadable, restore_rng=False)
+    result["load"] = None
+except CheckpointError as e:
+    result["load"] = str(e)
+    result["clean"] = e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result["latest"] = torchrepro.latest_checkpoint(directory)
+result["warnings"] = [str(w.message) for w in caught]
+result["values"] = torchrepro.load_checkpoint(result["latest"], restore_rng=False)
+try:  # a directory that cannot be listed
+    torchrepro.latest_checkpoint(locked)
+    result["locked"] = None
+except CheckpointError as e:
+    result["locked"] = str(e)
+print(json.dumps(result))
+"""
+
+
+def test_an_unreadable_file_is_a_checkpoint_error_and_latest_skips_it(tmp_path: Path) -> None:
+    save(tmp_path / "step-1.pt", step=1)
+    unreadable = tmp_path / "step-2.pt"
+    save(unreadable, step=2)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    save(locked / "step-1.pt", step=1)
+    unreadable.chmod(0)
+    locked.chmod(0)
+    try:
+        result = run_child(UNREADABLE, str(tmp_path), str(unreadable), str(locked))
+    finally:
+        unreadable.chmod(0o644)
+        locked.chmod(0o755)
+    assert result["open"] == "PermissionError"  # the file really was unreadable (root included)
+    assert result["load"] is not None and result["clean"]
+    assert result["load"].startswith(f"Checkpoint {unreadable} cannot be read: permission denied")
+    assert "chmod u+r" in result["load"]
+    # latest_checkpoint skips it with a warning instead of raising, and the older one loads
+    assert result["latest"] == str(tmp_path / "step-1.pt") and result["values"] == {"step": 1}
+    assert result["warnings"] == [f"Skipping checkpoint: {result['load']}"]
+    assert result["locked"] == (
+        f"Checkpoint directory {locked} cannot be listed: permission denied (Permission denied). "
+        "Make it readable for this user (chmod u+r) or load it as its owner."
+    )
+    # the good case: readable again, it is the latest and loads
+    assert latest_checkpoint(tmp_path) == str(unreadable)
+    assert load_checkpoint(unreadable, restore_rng=False) == {"step": 2}
+
+
+# --------------------------------------------------------------------------- disk full / file-size limit
+
+FILE_SIZE_LIMIT = r"""
+import errno, json, os, resource, signal, sys
+import torch, torchrepro
+from torchrepro import CheckpointError
+
+directory = sys.argv[1]
+path = os.path.join(directory, "c.pt")
+big = {"weights": torch.arange(1 << 20, dtype=torch.float32)}  # 4 MiB
+torchrepro.save_checkpoint(path, step=1)  # the previous checkpoint, before the limit
+with open(path, "rb") as f:
+    before = f.read()
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (256 << 10, hard))
+result = {}
+try:  # control: what plain torch.save raises under the same limit
+    torch.save(big, os.path.join(directory, "plain.pt"))
+except Exception as e:
+    result["plain"] = f"{type(e).__name__}: {e}"
+os.remove(os.path.join(directory, "plain.pt"))
+try:
+    torchrepro.save_checkpoint(path, step=2, **big)
+    result["error"] = None
+except CheckpointError as e:
+    result["error"] = str(e)
+    result["oserror"] = isinstance(e, OSError) and e.errno == errno.EFBIG
+    result["clean"] = e.__cause__ is None and (e.__context__ is None or e.__suppress_context__)
+result["files"] = sorted(os.listdir(directory))
+with open(path, "rb") as f:
+    result["unchanged"] = f.read() == before
+result["after_failure"] = torchrepro.load_checkpoint(path, restore_rng=False)
+torchrepro.save_checkpoint(path, step=3)  # the good case: a save that fits the limit
+result["small"] = torchrepro.load_checkpoint(path, restore_rng=False)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+torchrepro.save_checkpoint(path, step=4, **big)  # and the big one once the limit is raised
+values = torchrepro.load_checkpoint(path, restore_rng=False)
+result["big"] = [values["step"], values["weights"].numel()]
+print(json.dumps(result))
+"""
+
+
+def test_a_write_past_the_file_size_limit_is_a_checkpoint_error_that_keeps_the_previous_file(
+    tmp_path: Path,
+) -> None:
+    result = run_child(FILE_SIZE_LIMIT, str(tmp_path))
+    assert result["plain"].startswith("RuntimeError: [enforce fail at inline_container.cc")  # the issue
+    path = tmp_path / "c.pt"
+    assert result["error"] is not None and result["clean"]
+    assert result["error"].startswith(f"Cannot write checkpoint {path}: the file would be larger than")
+    assert "(File too large)" in result["error"] and "ulimit -f" in result["error"]
+    assert "the previous checkpoint there is intact and no temporary file is left" in result["error"]
+    assert result["oserror"]  # still an OSError with errno EFBIG for code that handles those
+    assert result["files"] == ["c.pt"] and result["unchanged"] and result["after_failure"] == {"step": 1}
+    assert result["small"] == {"step": 3} and result["big"] == [4, 1 << 20]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_file_in_the_way_of_the_directory_is_a_checkpoint_write_error(tmp_path: Path, depth: int) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    path = blocker / "c.pt" if depth == 1 else blocker / "sub" / "c.pt"
+    with pytest.raises(CheckpointWriteError) as info:
+        save(path, step=1)
+    assert str(info.value).startswith(
+        f"Cannot write checkpoint {path}: a part of its directory path is a file, not a directory ("
+    )
+    assert f": {blocker}" in str(info.value) or f": {blocker / 'sub'}" in str(info.value)
+    assert isinstance(info.value, OSError) and isinstance(info.value, CheckpointError)
+    assert_clean(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    save(tmp_path / "c.pt", step=1)  # the good case
+    assert load_checkpoint(tmp_path / "c.pt", restore_rng=False) == {"step": 1}
+
 
 # --------------------------------------------------------------------------- file modes
 

@@ -17,15 +17,21 @@ Invariants:
   missing rank file or a different world size is a clear ``CheckpointError`` at load time.
 - ``latest_checkpoint`` orders checkpoints by the save clock stored in each file (a wall-clock
   time kept monotonic across saves and resumes), never by filesystem mtime.
+- A path that is not a readable checkpoint file (a directory, a symlink loop, no read
+  permission) and a write that fails (a full disk, a file-size limit) are ``CheckpointError``s
+  naming the path and the cause; a failed write leaves no temporary file and the previous file
+  intact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import platform
 import re
+import stat
 import sys
 import time
 import warnings
@@ -40,7 +46,7 @@ from typing import Any
 import torch
 
 from torchrepro import _io, hashing
-from torchrepro.errors import CheckpointError, ReproError, ReproWarning, warn_once
+from torchrepro.errors import CheckpointError, CheckpointWriteError, ReproError, ReproWarning, warn_once
 from torchrepro.flags import DeterminismFlags
 from torchrepro.hashing import fingerprint
 
@@ -326,10 +332,71 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     }
     _check_loadable(payload["env"], "environment record")
     out = _rank_path(target, rank)
-    with _io.atomic_open(out, "wb") as f:
-        torch.save(payload, f)
+    existed = out.is_file()
+    try:
+        with _io.atomic_open(out, "wb") as f:
+            torch.save(payload, f)
+    except Exception as e:
+        cause = _os_error_in(e)
+        if cause is None:
+            raise
+        raise _write_error(out, cause, existed) from None
     _clock.observe(saved_at_ns, sequence)
     return str(out)
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error``: itself, or one in its cause/context chain (``torch.save``
+    turns a failed write into ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos``, raised while the write's ``OSError`` is being handled)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+# errno -> (what happened, what to do) for a write that failed.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "Free space on it (or save to another disk) and save again"),
+    getattr(errno, "EDQUOT", -1): (
+        "the disk quota is used up",
+        "Free space or raise the quota, and save again",
+    ),
+    errno.EFBIG: (
+        "the file would be larger than this process may write (ulimit -f, RLIMIT_FSIZE) or the "
+        "filesystem allows",
+        "Raise the limit (ulimit -f unlimited) or save to another filesystem",
+    ),
+    errno.EACCES: ("permission denied", "Make the directory writable for this user, or save elsewhere"),
+    errno.EPERM: ("permission denied", "Make the directory writable for this user, or save elsewhere"),
+    errno.EROFS: ("the filesystem is read-only", "Save to a writable directory"),
+    errno.EEXIST: (  # from creating its directory
+        "a part of its directory path is a file, not a directory",
+        "Move that file away or save elsewhere",
+    ),
+    errno.ENOTDIR: (
+        "a part of its directory path is a file, not a directory",
+        "Move that file away or save elsewhere",
+    ),
+}
+
+
+def _write_error(out: Path, cause: OSError, existed: bool) -> CheckpointWriteError:
+    what = cause.strerror or str(cause) or type(cause).__name__
+    if cause.filename is not None and not str(cause.filename).endswith(_io.TMP_SUFFIX):
+        what += f": {cause.filename}"  # the directory it could not create or write in
+    fact, fix = _WRITE_FAILURES.get(cause.errno or 0, (None, "Fix the cause and save again"))
+    kept = "the previous checkpoint there is intact" if existed else "nothing was written there"
+    error = CheckpointWriteError(
+        f"Cannot write checkpoint {out}: {f'{fact} ({what})' if fact else what}. {fix}; {kept} and "
+        "no temporary file is left."
+    )
+    error.errno = cause.errno  # still an OSError a caller can test for errno.ENOSPC
+    return error
 
 
 _PACKED = "__torchrepro_int64_list__"
@@ -440,14 +507,9 @@ def _feed_tensor(parts: list[bytes | memoryview], keep: list[torch.Tensor], t: t
 
 def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
     """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"No checkpoint file at {path}.") from None
+    size, head = _open_file(path)
     if size == 0:
         raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
-    with open(path, "rb") as f:
-        head = f.read(4)
     if head != _ZIP_MAGIC:
         raise CheckpointError(
             f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
@@ -463,13 +525,87 @@ def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[
     return payload  # type: ignore[no-any-return]
 
 
+def _open_file(path: Path) -> tuple[int, bytes]:
+    """``(size, first 4 bytes)`` of the regular file at ``path``; ``CheckpointError`` naming it
+    and the cause for anything else (missing, a directory or pipe, a symlink loop, no read
+    permission). Opened non-blocking, so a named pipe in its place cannot hang the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CheckpointError(
+                f"Checkpoint {path} is a symbolic link to a file that does not exist; point it at the "
+                "checkpoint file or remove it."
+            ) from None
+        raise CheckpointError(f"No checkpoint file at {path}.") from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_a_file(path, info.st_mode)
+        return info.st_size, os.read(fd, 4)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    finally:
+        os.close(fd)
+
+
+# errno -> (what happened, what to do) for a file that cannot be read.
+_READ_FAILURES = {
+    errno.EACCES: ("permission denied", "Make it readable for this user (chmod u+r) or load it as its owner"),
+    errno.EPERM: ("permission denied", "Make it readable for this user (chmod u+r) or load it as its owner"),
+    errno.ELOOP: (
+        "it is a symbolic link loop (links that lead back to themselves)",
+        "Point the link at the checkpoint file or remove it",
+    ),
+    errno.EIO: (
+        "the storage reported an I/O error",
+        "Copy it again from a backup, or resume from another checkpoint",
+    ),
+}
+
+
+def _unreadable(path: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(f"Checkpoint {path} cannot be read: {_read_failure(e)}")
+
+
+def _read_failure(e: OSError) -> str:
+    what = e.strerror or str(e) or type(e).__name__
+    fact, fix = _READ_FAILURES.get(e.errno or 0, (None, "Fix the cause, or resume from another checkpoint"))
+    return f"{f'{fact} ({what})' if fact else what}. {fix}."
+
+
+def _not_a_file(path: Path, mode: int) -> CheckpointError:
+    if stat.S_ISDIR(mode):
+        return CheckpointError(
+            f"Checkpoint {path} is a directory, not a checkpoint file: save_checkpoint writes one file. "
+            "To find the newest checkpoint inside a directory, call latest_checkpoint(directory)."
+        )
+    kind = (
+        "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    return CheckpointError(
+        f"Checkpoint {path} is {kind}, not a checkpoint file written by save_checkpoint; remove it or "
+        "pass the path of the checkpoint file."
+    )
+
+
+_DAMAGED_ZIP = (
+    "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
+    "writer that is not atomic). Delete it and resume from an earlier checkpoint."
+)
+
+
 def _describe_load_error(path: Path, e: Exception) -> str:
+    if isinstance(e, OSError) and e.errno in _READ_FAILURES:  # not EINVAL: torch's for a truncated file
+        return _read_failure(e)
     text = str(e)
     if not zipfile.is_zipfile(path) or "central directory" in text or "zip archive" in text:
-        return (
-            "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
-            "writer that is not atomic). Delete it and resume from an earlier checkpoint."
-        )
+        return _DAMAGED_ZIP
     if "Weights only load failed" in text:
         return (
             "it contains pickled Python objects that torch.load(weights_only=True) refuses; "
@@ -561,9 +697,10 @@ def load_checkpoint(
     ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
 
     Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
-    present), kind mismatches, corrupt or truncated files, restores that do not reproduce the
-    saved state, a different world size. Warns (``ReproWarning``) when the checkpoint was saved
-    in a different environment (torch version, devices, determinism switches, threads).
+    present), kind mismatches, corrupt or truncated files, paths that are not readable files,
+    restores that do not reproduce the saved state, a different world size. Warns
+    (``ReproWarning``) when the checkpoint was saved in a different environment (torch version,
+    devices, determinism switches, threads).
     """
     from torchrepro.rng import RngState
 
@@ -670,13 +807,20 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
     missing) are skipped with a ``ReproWarning`` naming them. With ``verify`` (default) the chosen
     file's stored states are also checked against their checksums (one full read);
     ``verify=False`` checks structure only, and ``load_checkpoint`` still verifies.
+
+    Anything named like a checkpoint that is not a readable checkpoint file (a directory, a
+    symlink loop, a file without read permission) is skipped with a ``ReproWarning`` too.
     """
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
+    try:
+        files = sorted(root.iterdir())
+    except OSError as e:
+        raise CheckpointError(f"Checkpoint directory {root} cannot be listed: {_read_failure(e)}") from None
     rank, _ = _distributed()
     headers: list[tuple[tuple[int, int, str], Path]] = []
-    for file in sorted(root.iterdir()):
+    for file in files:
         if not _looks_like_checkpoint(file):
             continue
         try:
@@ -700,11 +844,15 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
 
 
 def _looks_like_checkpoint(file: Path) -> bool:
+    """Named like a checkpoint (whatever it is: ``_read`` refuses, and the caller warns about, one
+    that is not a readable file), or a regular file that starts like a torch zip file."""
     name = file.name
-    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name) or not file.is_file():
+    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name):
         return False
     if name.endswith(_CHECKPOINT_SUFFIXES):
         return True
+    if not file.is_file():  # never open a named pipe: that would wait for a writer
+        return False
     with contextlib.suppress(OSError), open(file, "rb") as f:
         return f.read(4) == _ZIP_MAGIC
     return False
