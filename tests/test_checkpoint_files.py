@@ -14,6 +14,7 @@ import re
 import stat
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,112 @@ def test_a_file_in_the_way_of_the_directory_is_a_checkpoint_write_error(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
     save(tmp_path / "c.pt", step=1)  # the good case
     assert load_checkpoint(tmp_path / "c.pt", restore_rng=False) == {"step": 1}
+
+
+# --------------------------------------------------------------------------- declared sizes
+
+BOMB_BYTES = 80 << 20  # a string this long unpacked, from a file of ~100 KiB
+
+
+def _deflate_pickle(path: Path, out: Path) -> None:
+    """Rewrite the checkpoint at ``path`` with its pickle deflated (torch.load inflates it)."""
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            member = zipfile.ZipInfo(info.filename, date_time=info.date_time)
+            pickle = info.filename.endswith("data.pkl")
+            member.compress_type = zipfile.ZIP_DEFLATED if pickle else zipfile.ZIP_STORED
+            dst.writestr(member, src.read(info))
+
+
+BOMB = r"""
+import json, sys
+import torchrepro
+from torchrepro import CheckpointError
+
+
+def peak_growth(step):  # how far the peak resident memory rises while step() runs
+    def peak():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak becomes the current resident size
+    start = peak()
+    value = step()
+    return value, peak() - start
+
+
+small, bomb, raised = sys.argv[1], sys.argv[2], int(sys.argv[3])
+result = {"small": torchrepro.load_checkpoint(small, restore_rng=False)}  # warms up every import
+
+
+def refused():
+    try:
+        torchrepro.load_checkpoint(bomb, restore_rng=False)
+    except CheckpointError as e:
+        return str(e)
+
+
+result["refused"], result["grew_when_refused"] = peak_growth(refused)
+values, result["grew_when_loaded"] = peak_growth(
+    lambda: torchrepro.load_checkpoint(bomb, restore_rng=False, max_expanded_bytes=raised)
+)
+result["length"] = len(values["pad"])
+print(json.dumps(result))
+"""
+
+
+def test_an_archive_that_expands_far_beyond_its_size_is_refused_before_it_is_unpacked(tmp_path: Path) -> None:
+    save(tmp_path / "big.pt", pad="x" * BOMB_BYTES)
+    bomb = tmp_path / "bomb.pt"
+    _deflate_pickle(tmp_path / "big.pt", bomb)
+    (tmp_path / "big.pt").unlink()
+    size = bomb.stat().st_size
+    assert size < 1 << 20  # control: a small file that torch.load would inflate to 80 MiB
+    save(tmp_path / "small.pt", step=1)
+    result = run_child(BOMB, str(tmp_path / "small.pt"), str(bomb), str(BOMB_BYTES + (1 << 20)))
+    assert result["small"] == {"step": 1}  # the good case loads with the default limit
+    refused = result["refused"]
+    assert refused is not None and refused.startswith(f"Checkpoint {bomb} was refused before unpacking it")
+    assert f"limit of {2 * size + (64 << 20):,} bytes (the default" in refused
+    assert "pass max_expanded_bytes=" in refused and "to load_checkpoint or latest_checkpoint" in refused
+    # refused before anything was inflated; with the limit raised it is inflated (and loads)
+    assert result["grew_when_refused"] < 16 << 20
+    assert result["length"] == BOMB_BYTES and result["grew_when_loaded"] > BOMB_BYTES
+    with pytest.warns(ReproWarning, match=rf"Skipping checkpoint: Checkpoint {bomb} was refused"):
+        assert latest_checkpoint(tmp_path) == str(tmp_path / "small.pt")
+
+
+def test_a_tensor_view_declaring_more_than_it_stores_is_refused_before_it_is_copied(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    save(path, mask=torch.zeros(1).expand(1000))  # the good case: a small expanded view
+    assert torch.equal(load_checkpoint(path, restore_rng=False)["mask"], torch.zeros(1000))
+    payload = torch.load(path, weights_only=True)
+    payload["objects"]["mask"]["state"] = torch.zeros(1).expand(1 << 36)  # 256 GiB from 4 bytes
+    torch.save(payload, path)
+    assert path.stat().st_size < 1 << 20
+    assert torch.load(path, weights_only=True)["objects"]["mask"]["state"].shape == (1 << 36,)  # control
+    with zipfile.ZipFile(path) as archive:
+        declared = sum(i.file_size for i in archive.infolist())
+    with pytest.raises(CheckpointError, match=r"refused before checksumming it: .*tensor views") as info:
+        load_checkpoint(path, restore_rng=False)  # a checksum would copy 256 GiB
+    assert f"pass max_expanded_bytes={declared + (1 << 38)} (or more)" in str(info.value)
+    assert_clean(info.value)
+
+
+def test_max_expanded_bytes_is_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    save(path, table=torch.arange(10_000.0))  # 40 kB of tensor data
+    with pytest.raises(CheckpointError, match=r"limit of 1,000 bytes \(max_expanded_bytes\)"):
+        load_checkpoint(path, restore_rng=False, max_expanded_bytes=1000)
+    with pytest.warns(ReproWarning, match=r"Skipping checkpoint: .*max_expanded_bytes"):
+        assert latest_checkpoint(tmp_path, max_expanded_bytes=1000) is None
+    values = load_checkpoint(path, restore_rng=False, max_expanded_bytes=1 << 20)  # the good case
+    assert torch.equal(values["table"], torch.arange(10_000.0))
+    assert latest_checkpoint(tmp_path, max_expanded_bytes=1 << 20) == str(path)
+    with pytest.raises(TypeError, match="max_expanded_bytes must be an int"):
+        load_checkpoint(path, max_expanded_bytes=1e9)
+    with pytest.raises(ValueError, match="max_expanded_bytes must be >= 0"):
+        latest_checkpoint(tmp_path, max_expanded_bytes=-1)
 
 
 # --------------------------------------------------------------------------- file modes

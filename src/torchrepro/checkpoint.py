@@ -21,6 +21,9 @@ Invariants:
   permission) and a write that fails (a full disk, a file-size limit) are ``CheckpointError``s
   naming the path and the cause; a failed write leaves no temporary file and the previous file
   intact.
+- A file that declares more than ``max_expanded_bytes`` (default: twice its size plus 64 MiB) is
+  refused before it is unpacked: its zip members' declared sizes, then, before any checksum, the
+  copies of its non-contiguous tensor views.
 """
 
 from __future__ import annotations
@@ -505,8 +508,37 @@ def _feed_tensor(parts: list[bytes | memoryview], keep: list[torch.Tensor], t: t
 # --------------------------------------------------------------------------- read and validate
 
 
-def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad."""
+_DEFAULT_EXPANSION_SLACK = 64 << 20
+
+
+def _expansion_limit(file_size: int, max_expanded_bytes: int | None) -> int:
+    """``max_expanded_bytes``, or by default twice the file's size plus 64 MiB: ``torch.save``
+    stores its members uncompressed, so a checkpoint it wrote never declares more than its size."""
+    if max_expanded_bytes is None:
+        return 2 * file_size + _DEFAULT_EXPANSION_SLACK
+    return max_expanded_bytes
+
+
+def _check_limit(max_expanded_bytes: Any) -> None:
+    if max_expanded_bytes is None:
+        return
+    if isinstance(max_expanded_bytes, bool) or not isinstance(max_expanded_bytes, int):
+        raise TypeError(
+            f"max_expanded_bytes must be an int (bytes) or None (the default limit), got "
+            f"{type(max_expanded_bytes).__name__} {max_expanded_bytes!r}."
+        )
+    if max_expanded_bytes < 0:
+        raise ValueError(f"max_expanded_bytes must be >= 0, got {max_expanded_bytes}.")
+
+
+def _read(
+    path: Path, *, map_location: Any = "cpu", mmap: bool = False, max_expanded_bytes: int | None = None
+) -> dict[str, Any]:
+    """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad.
+
+    Nothing is unpacked before the sizes the file declares are checked against the limit
+    (``max_expanded_bytes``, see ``_expansion_limit``).
+    """
     size, head = _open_file(path)
     if size == 0:
         raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
@@ -515,6 +547,11 @@ def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[
             f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
             "a checkpoint written by torchrepro.save_checkpoint."
         )
+    limit = _expansion_limit(size, max_expanded_bytes)
+    declared = _declared_bytes(path)
+    if declared > limit:
+        what = f"before unpacking it: its zip members declare {declared:,} bytes"
+        raise _too_large(path, size, declared, limit, what, max_expanded_bytes)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -522,6 +559,13 @@ def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[
     except Exception as e:
         raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(path, e)}") from None
     _validate(payload, path)
+    needed = declared + _copied_bytes(payload)
+    if needed > limit:
+        what = (
+            f"before checksumming it: its members and the copies its non-contiguous tensor views "
+            f"need take {needed:,} bytes"
+        )
+        raise _too_large(path, size, needed, limit, what, max_expanded_bytes)
     return payload  # type: ignore[no-any-return]
 
 
@@ -598,6 +642,48 @@ _DAMAGED_ZIP = (
     "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
     "writer that is not atomic). Delete it and resume from an earlier checkpoint."
 )
+
+
+def _declared_bytes(path: Path) -> int:
+    """The total uncompressed size the zip archive declares for its members (read from its
+    central directory: nothing is unpacked). ``torch.load`` allocates what is declared."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return sum(info.file_size for info in archive.infolist())
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    except Exception:  # BadZipFile, and whatever a crafted central directory raises
+        raise CheckpointError(f"Checkpoint {path} cannot be read: {_DAMAGED_ZIP}") from None
+
+
+def _copied_bytes(obj: Any) -> int:
+    """Bytes the checksums copy to read ``obj``'s tensors: a strided tensor that is not contiguous
+    is copied whole, and a view (an ``expand``) can declare far more elements than it stores."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided and not obj.is_contiguous():
+            return obj.numel() * obj.element_size()
+        return 0
+    if isinstance(obj, dict):
+        return sum(_copied_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_copied_bytes(v) for v in obj)
+    return 0
+
+
+def _too_large(
+    path: Path, size: int, needed: int, limit: int, what: str, max_expanded_bytes: int | None
+) -> CheckpointError:
+    rule = (
+        "the default: twice the file's size plus 64 MiB"
+        if max_expanded_bytes is None
+        else "max_expanded_bytes"
+    )
+    return CheckpointError(
+        f"Checkpoint {path} was refused {what}, more than the limit of {limit:,} bytes ({rule}) for a "
+        f"file of {size:,} bytes. A checkpoint save_checkpoint writes stays within it unless it holds "
+        "expanded tensor views, so this one is likely damaged or crafted to exhaust memory. If you "
+        f"trust it, pass max_expanded_bytes={needed} (or more) to load_checkpoint or latest_checkpoint."
+    )
 
 
 def _describe_load_error(path: Path, e: Exception) -> str:
@@ -683,6 +769,7 @@ def load_checkpoint(
     map_location: Any = "cpu",
     restore_rng: bool = True,
     verify: bool = True,
+    max_expanded_bytes: int | None = None,
     **objects: Any,
 ) -> dict[str, Any]:
     """Restore the named ``objects`` in place from ``path``, the RNG state last; return plain values.
@@ -696,6 +783,11 @@ def load_checkpoint(
     a loader's position is normalised on load, a finished epoch becoming the next one).
     ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
 
+    ``max_expanded_bytes`` caps what reading the file may unpack (the zip members' declared
+    sizes, plus copies of non-contiguous tensor views for the checksums); a file declaring more
+    is refused before it is unpacked. The default, ``None``, is twice the file's size plus
+    64 MiB, which every file ``torch.save`` writes stays within.
+
     Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
     present), kind mismatches, corrupt or truncated files, paths that are not readable files,
     restores that do not reproduce the saved state, a different world size. Warns
@@ -704,6 +796,7 @@ def load_checkpoint(
     """
     from torchrepro.rng import RngState
 
+    _check_limit(max_expanded_bytes)
     base = Path(path)
     rank, world_size = _distributed()
     file = _rank_path(base, rank)
@@ -712,7 +805,7 @@ def load_checkpoint(
             f"Rank {rank} has no checkpoint file {file} beside {base}: every rank must call "
             "save_checkpoint(path, ...) with the same path (each saves its own RNG state)."
         )
-    payload = _read(file, map_location=map_location, mmap=_MMAP)
+    payload = _read(file, map_location=map_location, mmap=_MMAP, max_expanded_bytes=max_expanded_bytes)
     meta, entries = payload["meta"], payload["objects"]
     if meta["world_size"] != world_size:
         raise CheckpointError(
@@ -798,7 +891,9 @@ def _restore_one(file: Path, name: str, obj: Any, state: Any) -> None:
 # --------------------------------------------------------------------------- latest
 
 
-def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True) -> str | None:
+def latest_checkpoint(
+    directory: str | os.PathLike[str], *, verify: bool = True, max_expanded_bytes: int | None = None
+) -> str | None:
     """The most recently saved complete checkpoint in ``directory``, or ``None`` if there is none.
 
     "Most recent" is the save clock stored inside each file, not the filesystem mtime. Temporary
@@ -809,8 +904,10 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
     ``verify=False`` checks structure only, and ``load_checkpoint`` still verifies.
 
     Anything named like a checkpoint that is not a readable checkpoint file (a directory, a
-    symlink loop, a file without read permission) is skipped with a ``ReproWarning`` too.
+    symlink loop, a file without read permission, one declaring more than ``max_expanded_bytes``
+    once unpacked, see ``load_checkpoint``) is skipped with a ``ReproWarning`` too.
     """
+    _check_limit(max_expanded_bytes)
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
@@ -824,8 +921,8 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
         if not _looks_like_checkpoint(file):
             continue
         try:
-            payload = _read(file, mmap=True)
-            _check_rank_files(file, payload)
+            payload = _read(file, mmap=True, max_expanded_bytes=max_expanded_bytes)
+            _check_rank_files(file, payload, max_expanded_bytes)
         except CheckpointError as e:
             _skip(e)
             continue
@@ -835,7 +932,7 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
         if verify:
             try:
                 own = _rank_path(file, rank)
-                _verify(_read(own, mmap=True), own)
+                _verify(_read(own, mmap=True, max_expanded_bytes=max_expanded_bytes), own)
             except CheckpointError as e:
                 _skip(e)
                 continue
@@ -858,14 +955,14 @@ def _looks_like_checkpoint(file: Path) -> bool:
     return False
 
 
-def _check_rank_files(file: Path, payload: Mapping[str, Any]) -> None:
+def _check_rank_files(file: Path, payload: Mapping[str, Any], max_expanded_bytes: int | None) -> None:
     meta = payload["meta"]
     for r in range(1, meta["world_size"]):
         if not _rank_path(file, r).is_file():
             raise CheckpointError(
                 f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is missing."
             )
-        other = _read(_rank_path(file, r), mmap=True)
+        other = _read(_rank_path(file, r), mmap=True, max_expanded_bytes=max_expanded_bytes)
         if other["meta"]["sequence"] != meta["sequence"] or other["meta"]["world_size"] != meta["world_size"]:
             raise CheckpointError(
                 f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is from "
