@@ -366,6 +366,54 @@ def test_max_expanded_bytes_is_the_limit(tmp_path: Path) -> None:
         latest_checkpoint(tmp_path, max_expanded_bytes=-1)
 
 
+# --------------------------------------------------------------------------- the save clock
+
+
+def _flip_clock_bit(path: Path) -> None:
+    """Flip one bit of the pickled ``saved_at_ns`` (it grows by 2**48 ns, about 3 days)."""
+    saved_at = torch.load(path, weights_only=True)["meta"]["saved_at_ns"]
+    data = bytearray(path.read_bytes())
+    needle = b"\x8a\x08" + saved_at.to_bytes(8, "little", signed=True)  # pickle LONG1, 8 bytes
+    assert data.count(needle) == 1
+    data[data.index(needle) + 2 + 6] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_the_save_clock_does_not_reorder_checkpoints(tmp_path: Path) -> None:
+    older, newer = tmp_path / "step-1.pt", tmp_path / "step-2.pt"
+    save(older, step=1)
+    save(newer, step=2)
+    assert latest_checkpoint(tmp_path) == str(newer)  # the good case
+    _flip_clock_bit(older)
+    clocks = [torch.load(p, weights_only=True)["meta"]["saved_at_ns"] for p in (older, newer)]
+    assert clocks[0] > clocks[1]  # control: by its clock alone, the older file is now the latest
+    with pytest.warns(
+        ReproWarning, match=rf"Skipping checkpoint: Checkpoint {older} is corrupt: its save clock"
+    ):
+        assert latest_checkpoint(tmp_path) == str(newer)
+    with pytest.raises(CheckpointError, match=r"save clock .* does not match its checksum") as info:
+        load_checkpoint(older, restore_rng=False)
+    assert_clean(info.value)
+    assert load_checkpoint(newer, restore_rng=False) == {"step": 2}
+
+
+def test_format_1_files_without_a_clock_checksum_still_load(tmp_path: Path) -> None:
+    old = tmp_path / "step-1.pt"
+    save(old, model=nn.Linear(2, 2), step=1)
+    payload = torch.load(old, weights_only=True)
+    assert payload["torchrepro_checkpoint"] == 2 and "clock_digest" in payload["meta"]
+    payload["torchrepro_checkpoint"] = 1  # what the previous torchrepro wrote
+    del payload["meta"]["clock_digest"]
+    torch.save(payload, old)
+    save(tmp_path / "step-2.pt", step=2)
+    assert load_checkpoint(old, model=nn.Linear(2, 2)) == {"step": 1}
+    assert latest_checkpoint(tmp_path) == str(tmp_path / "step-2.pt")
+    payload["torchrepro_checkpoint"] = 2  # but a version 2 file must have it
+    torch.save(payload, old)
+    with pytest.raises(CheckpointError, match=r"malformed: 'meta' has no save clock checksum"):
+        load_checkpoint(old, model=nn.Linear(2, 2))
+
+
 # --------------------------------------------------------------------------- file modes
 
 

@@ -16,7 +16,8 @@ Invariants:
   RNG state). No collective is used, so a rank that does not save cannot hang the others; a
   missing rank file or a different world size is a clear ``CheckpointError`` at load time.
 - ``latest_checkpoint`` orders checkpoints by the save clock stored in each file (a wall-clock
-  time kept monotonic across saves and resumes), never by filesystem mtime.
+  time kept monotonic across saves and resumes), never by filesystem mtime. The clock has its own
+  checksum (format version 2), so a damaged clock is refused instead of reordering checkpoints.
 - A path that is not a readable checkpoint file (a directory, a symlink loop, no read
   permission) and a write that fails (a full disk, a file-size limit) are ``CheckpointError``s
   naming the path and the cause; a failed write leaves no temporary file and the previous file
@@ -55,8 +56,11 @@ from torchrepro.hashing import fingerprint
 
 __all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
-FORMAT_VERSION = 1
-"""Version of the checkpoint layout; files with a newer version are refused with a clear error."""
+FORMAT_VERSION = 2
+"""Version of the checkpoint layout; files with a newer version are refused with a clear error.
+
+Version 2 adds ``meta["clock_digest"]``, the checksum of the save clock; version 1 files (without
+it) are still read."""
 
 _MARKER = "torchrepro_checkpoint"
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -105,6 +109,12 @@ class _Clock:
 
 
 _clock = _Clock()
+
+
+def _clock_digest(saved_at_ns: int, sequence: int) -> str:
+    """The checksum of a save clock (``meta["clock_digest"]``, format version 2)."""
+    text = f"{saved_at_ns},{sequence}".encode()
+    return hashlib.blake2b(text, digest_size=16, person=b"trepro-clock-v2").hexdigest()
 
 
 # --------------------------------------------------------------------------- kinds
@@ -325,6 +335,7 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
         "meta": {
             "saved_at_ns": saved_at_ns,
             "sequence": sequence,
+            "clock_digest": _clock_digest(saved_at_ns, sequence),
             "rank": rank,
             "world_size": world_size,
             "names": list(entries),
@@ -729,8 +740,17 @@ def _validate(payload: Any, path: Path) -> None:
         problems.append("'rng' is missing or malformed")
     if not isinstance(payload.get("env"), dict):
         problems.append("'env' is missing")
+    if version >= 2 and isinstance(meta, dict) and not isinstance(meta.get("clock_digest"), str):
+        problems.append("'meta' has no save clock checksum")
     if problems:
         raise CheckpointError(f"Checkpoint {path} is malformed: {'; '.join(problems)}.")
+    meta = payload["meta"]  # a complete dict now
+    if version >= 2 and meta["clock_digest"] != _clock_digest(meta["saved_at_ns"], meta["sequence"]):
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupt: its save clock (saved_at_ns={meta['saved_at_ns']}, "
+            f"sequence={meta['sequence']}) does not match its checksum, so it cannot be ordered against "
+            "other checkpoints. Delete it and resume from another checkpoint."
+        )
 
 
 def _valid_entry(entry: Any) -> bool:
