@@ -8,6 +8,7 @@ plain torch does what the issue describes (so the test cannot pass vacuously).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,12 +19,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import torchrepro
-from torchrepro import CheckpointError, ReproWarning, latest_checkpoint, load_checkpoint
+from torchrepro import CheckpointError, ReproWarning, fingerprint, latest_checkpoint, load_checkpoint
 from torchrepro import save_checkpoint as save
 from torchrepro._io import TMP_SUFFIX, atomic_write_json
 from torchrepro.errors import CheckpointWriteError
@@ -432,3 +434,76 @@ def test_files_get_the_mode_the_umask_gives(tmp_path: Path, umask: int) -> None:
     assert modes == {"c.pt": expected, "record.json": expected, "plain.pt": expected}
     assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
     assert load_checkpoint(tmp_path / "c.pt", restore_rng=False) == {"step": 2}
+
+
+# --------------------------------------------------------------------------- validate before copying
+
+
+def net(out: int = 2, dtype: torch.dtype = torch.float32) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, out)).to(dtype)
+
+
+def with_extra_layer() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (lambda: net(out=3), r"Cannot restore 'model' \(Sequential\) from .*size mismatch for 2.weight"),
+        (with_extra_layer, r"Cannot restore 'model' .*Missing key\(s\) in the checkpoint: '3.weight'"),
+        (lambda: net(dtype=torch.float16), r"Restoring 'model' from .*did not reproduce the saved state"),
+    ],
+    ids=["shape", "keys", "dtype"],
+)
+def test_a_refused_module_load_leaves_the_module_unchanged(tmp_path: Path, target: Any, message: str) -> None:
+    saved = net()
+    path = save(tmp_path / "c.pt", model=saved)
+    control = target()
+    before = fingerprint(control)
+    with contextlib.suppress(RuntimeError):  # shapes, keys: raises after copying the rest
+        control.load_state_dict(saved.state_dict())  # dtypes: converts
+    assert fingerprint(control) != before  # control: plain torch changes the module
+    model = target()
+    before = fingerprint(model)
+    with pytest.raises(CheckpointError, match=message) as info:
+        load_checkpoint(path, model=model)
+    assert "Nothing was changed" in str(info.value)
+    assert fingerprint(model) == before
+    good = net()
+    load_checkpoint(path, model=good)  # the good case
+    assert fingerprint(good) == fingerprint(saved)
+
+
+def test_verify_false_still_converts_dtypes(tmp_path: Path) -> None:
+    """The dtype check belongs to ``verify``: without it a float32 state loads into float16."""
+    saved = net()
+    path = save(tmp_path / "c.pt", model=saved)
+    half = net(dtype=torch.float16)
+    load_checkpoint(path, model=half, verify=False, restore_rng=False)
+    assert torch.equal(half[0].weight, saved[0].weight.half())
+
+
+def test_a_later_object_refused_leaves_the_earlier_ones_unchanged(tmp_path: Path) -> None:
+    saved = net()
+    opt = torch.optim.SGD(saved.parameters(), lr=0.1, momentum=0.9)
+    saved(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    path = save(tmp_path / "c.pt", model=saved, optimizer=opt, gen=torch.Generator().manual_seed(1))
+
+    model = net()
+    before = fingerprint(model)
+    only_last = torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)  # other groups
+    with pytest.raises(
+        CheckpointError, match=r"'optimizer' \(SGD\) .*parameter groups of \[4\] .*, the optimizer \[2\]"
+    ):
+        load_checkpoint(path, model=model, optimizer=only_last, gen=torch.Generator().manual_seed(1))
+    assert fingerprint(model) == before
+    with pytest.raises(CheckpointError, match=r"RNG state .*captured as a torch generator but a numpy"):
+        load_checkpoint(path, model=model, gen=np.random.default_rng(0))
+    assert fingerprint(model) == before
+
+    good = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # the good case
+    load_checkpoint(path, model=model, optimizer=good, gen=torch.Generator())
+    assert fingerprint(model) == fingerprint(saved)
+    assert fingerprint(good.state_dict()) == fingerprint(opt.state_dict())

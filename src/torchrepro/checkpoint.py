@@ -25,6 +25,9 @@ Invariants:
 - A file that declares more than ``max_expanded_bytes`` (default: twice its size plus 64 MiB) is
   refused before it is unpacked: its zip members' declared sizes, then, before any checksum, the
   copies of its non-contiguous tensor views.
+- ``load_checkpoint`` checks what it can cheaply before it copies anything into the objects
+  passed (names, kinds, a module's keys, shapes and dtypes, an optimizer's parameter groups, the
+  RNG state), so a load refused by those checks changes nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +56,9 @@ from torchrepro import _io, hashing
 from torchrepro.errors import CheckpointError, CheckpointWriteError, ReproError, ReproWarning, warn_once
 from torchrepro.flags import DeterminismFlags
 from torchrepro.hashing import fingerprint
+
+if TYPE_CHECKING:
+    from torchrepro.rng import RngState
 
 __all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -803,6 +809,15 @@ def load_checkpoint(
     a loader's position is normalised on load, a finished epoch becoming the next one).
     ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
 
+    Before anything is copied into the objects, what can be checked cheaply is: names and kinds,
+    each module's keys, shapes and (with ``verify``) dtypes, each optimizer's parameter groups,
+    the RNG state and generators, the checksums of plain values and loaders. A load refused by
+    those checks leaves every object as it was. Found only after the copy: an object's own
+    ``load_state_dict`` refusing the state (e.g. a loader built with another batch size), and a
+    restored state that does not match its checksum (corrupt tensor bytes, lossy restores); a
+    second checksum pass before the copy would slow every load, and ``latest_checkpoint``
+    already checks the stored states.
+
     ``max_expanded_bytes`` caps what reading the file may unpack (the zip members' declared
     sizes, plus copies of non-contiguous tensor views for the checksums); a file declaring more
     is refused before it is unpacked. The default, ``None``, is twice the file's size plus
@@ -866,8 +881,19 @@ def load_checkpoint(
         )
 
     ordered = sorted(objects, key=lambda n: _RESTORE_ORDER.index(entries[n]["kind"]))
-    if verify:  # checked as stored, before anything changes: plain values, loaders, the RNG state
+    # What can be checked cheaply is checked before the first object changes.
+    if verify:  # checked as stored: plain values, loaders, the RNG state
         _verify(payload, file, [n for n, e in entries.items() if e["kind"] in _VERIFIED_AS_STORED])
+    rng_state = None
+    if restore_rng:
+        try:
+            rng_state = RngState.from_dict(_unpack(payload["rng"]["state"]))
+            _check_rng_targets(rng_state, generators)
+        except ReproError as e:
+            raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
+    for name in ordered:
+        if entries[name]["kind"] not in _VERIFIED_AS_STORED and entries[name]["kind"] != "generator":
+            _check_before_restore(file, name, objects[name], entries[name]["state"], verify=verify)
     for name in ordered:
         if entries[name]["kind"] != "generator":
             _restore_one(file, name, objects[name], entries[name]["state"])
@@ -883,13 +909,95 @@ def load_checkpoint(
                     "(different dtype, fewer entries, a load_state_dict that drops or converts "
                     "values). Restore into an object built like the one that was saved."
                 )
-    if restore_rng:
+    if rng_state is not None:
         try:
-            RngState.from_dict(_unpack(payload["rng"]["state"])).restore(generators=generators)
-        except ReproError as e:
+            rng_state.restore(generators=generators)
+        except ReproError as e:  # pragma: no cover - its checks ran above, before any restore
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
     _clock.observe(meta["saved_at_ns"], meta["sequence"])
     return {n: e["state"] for n, e in entries.items() if e["kind"] == "value"}
+
+
+def _check_rng_targets(state: RngState, generators: Mapping[str, Any]) -> None:
+    """What ``RngState.restore`` checks before it changes anything (each generator's kind and
+    device, the CUDA device count), run before the first object is restored."""
+    from torchrepro import rng
+
+    for name, gen in generators.items():
+        state._check_target(name, gen)
+    rng._check_device_count(state.cuda)
+
+
+def _check_before_restore(file: Path, name: str, obj: Any, state: Any, *, verify: bool) -> None:
+    """Refuse, before anything is copied, a restore that cannot reproduce the saved ``state``: what
+    a module's or optimizer's ``load_state_dict`` would refuse only after copying part of it, and
+    (with ``verify``) a module dtype that the checksum after the copy would refuse."""
+    if isinstance(obj, torch.nn.Module):
+        problems, dtypes = _module_mismatches(obj, state, dtypes=verify)
+    elif isinstance(obj, torch.optim.Optimizer):
+        problems, dtypes = _optimizer_mismatches(obj, state), []
+    else:
+        problems, dtypes = [], []
+    if problems:
+        raise CheckpointError(
+            f"Cannot restore {name!r} ({type(obj).__qualname__}) from {file}: {'; '.join(problems)}. "
+            "Nothing was changed; restore into an object built like the one that was saved."
+        )
+    if dtypes:
+        raise CheckpointError(
+            f"Restoring {name!r} from {file} did not reproduce the saved state in a check before "
+            "copying: the object cannot hold the saved values exactly "
+            f"({_some(dtypes, quote=False)}). Nothing was changed; restore into an object built like "
+            "the one that was saved (same dtypes)."
+        )
+
+
+def _module_mismatches(module: torch.nn.Module, state: Any, *, dtypes: bool) -> tuple[list[str], list[str]]:
+    """What ``module.load_state_dict(state, strict=True)`` would refuse after copying part of it
+    (missing and unexpected keys, shapes), and, with ``dtypes``, the dtypes it would convert."""
+    if not isinstance(state, Mapping):
+        return [], []  # load_state_dict refuses it before copying anything
+    current = module.state_dict(keep_vars=True)
+    problems, conversions = [], []
+    missing = [k for k in current if k not in state]
+    unexpected = [k for k in state if k not in current]
+    if missing:
+        problems.append(f"Missing key(s) in the checkpoint: {_some(missing)}")
+    if unexpected:
+        problems.append(f"Unexpected key(s) in the checkpoint: {_some(unexpected)}")
+    for key, have in current.items():
+        saved = state.get(key)
+        if not isinstance(have, torch.Tensor) or key not in state or torch.nn.parameter.is_lazy(have):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{key} is a {type(saved).__name__} in the checkpoint, a tensor in the module")
+        elif saved.shape != have.shape and not (have.dim() == 0 and saved.shape == (1,)):
+            problems.append(
+                f"size mismatch for {key}: the checkpoint holds shape {tuple(saved.shape)}, the module "
+                f"{tuple(have.shape)}"
+            )
+        elif dtypes and saved.dtype != have.dtype:
+            conversions.append(f"{key} is {saved.dtype} in the checkpoint, {have.dtype} in the module")
+    return problems, conversions
+
+
+def _optimizer_mismatches(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
+    """The parameter-group mismatch ``Optimizer.load_state_dict`` would refuse."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return []  # malformed: load_state_dict refuses it before changing anything
+    saved = [len(g["params"]) for g in groups]
+    have = [len(g["params"]) for g in optimizer.param_groups]
+    if saved == have:
+        return []
+    return [f"the checkpoint has parameter groups of {saved} parameters, the optimizer {have}"]
+
+
+def _some(items: list[str], limit: int = 10, *, quote: bool = True) -> str:
+    shown = ", ".join(repr(k) if quote else k for k in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _restore_one(file: Path, name: str, obj: Any, state: Any) -> None:
