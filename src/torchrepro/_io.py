@@ -1,8 +1,13 @@
 """Atomic file writes: every file torchrepro saves goes through here.
 
-Invariant: a crash at any moment leaves either the old file or the complete new one at ``path``,
-never a torn one: data goes to a temporary file in the same directory, is fsynced, then renamed
-over ``path`` with ``os.replace``, and the directory is fsynced.
+Invariants:
+- A crash at any moment leaves either the old file or the complete new one at ``path``, never a
+  torn one: data goes to a temporary file in the same directory, is fsynced, then renamed over
+  ``path`` with ``os.replace``, and the directory is fsynced. A failed write removes the
+  temporary file and leaves ``path`` as it was.
+- Files get the mode ``open()`` and ``torch.save`` give (``0o666`` less the umask, and the
+  directory's default ACL): the temporary file is created with ``0o666`` and the kernel applies
+  the umask, so the process-global umask is never read or changed.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import contextlib
 import io
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -37,6 +42,24 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+
+
+def _create_temporary(directory: Path, name: str) -> tuple[int, Path]:
+    """A new file ``.<name>.<random><TMP_SUFFIX>`` in ``directory``, opened for writing.
+
+    Unlike ``tempfile.mkstemp`` (always ``0o600``) it is created with ``0o666`` and the kernel
+    applies the umask, like ``open(path, "w")``.
+    """
+    for _ in range(100):
+        tmp = directory / f".{name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+        try:
+            return os.open(tmp, _CREATE_FLAGS, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"No unused temporary file name beside {directory / name} after 100 tries.")
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
     """Open a temporary file beside ``path``; on a clean exit it atomically becomes ``path``.
@@ -48,8 +71,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
     target = Path(path)
     directory = target.parent if str(target.parent) else Path(".")
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=directory)
-    tmp = Path(tmp_name)
+    fd, tmp = _create_temporary(directory, target.name)
     try:
         f: IO[Any]
         f = os.fdopen(fd, "wb") if mode == "wb" else os.fdopen(fd, "w", encoding="utf-8")

@@ -16,16 +16,29 @@ Invariants:
   RNG state). No collective is used, so a rank that does not save cannot hang the others; a
   missing rank file or a different world size is a clear ``CheckpointError`` at load time.
 - ``latest_checkpoint`` orders checkpoints by the save clock stored in each file (a wall-clock
-  time kept monotonic across saves and resumes), never by filesystem mtime.
+  time kept monotonic across saves and resumes), never by filesystem mtime. The clock has its own
+  checksum (format version 2), so a damaged clock is refused instead of reordering checkpoints.
+- A path that is not a readable checkpoint file (a directory, a symlink loop, no read
+  permission) and a write that fails (a full disk, a file-size limit) are ``CheckpointError``s
+  naming the path and the cause; a failed write leaves no temporary file and the previous file
+  intact.
+- A file that declares more than ``max_expanded_bytes`` (default: twice its size plus 64 MiB) is
+  refused before it is unpacked: its zip members' declared sizes, then, before any checksum, the
+  copies of its non-contiguous tensor views.
+- ``load_checkpoint`` checks what it can cheaply before it copies anything into the objects
+  passed (names, kinds, a module's keys, shapes and dtypes, an optimizer's parameter groups, the
+  RNG state), so a load refused by those checks changes nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import platform
 import re
+import stat
 import sys
 import time
 import warnings
@@ -35,19 +48,25 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchrepro import _io, hashing
-from torchrepro.errors import CheckpointError, ReproError, ReproWarning, warn_once
+from torchrepro.errors import CheckpointError, CheckpointWriteError, ReproError, ReproWarning, warn_once
 from torchrepro.flags import DeterminismFlags
 from torchrepro.hashing import fingerprint
 
+if TYPE_CHECKING:
+    from torchrepro.rng import RngState
+
 __all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
-FORMAT_VERSION = 1
-"""Version of the checkpoint layout; files with a newer version are refused with a clear error."""
+FORMAT_VERSION = 2
+"""Version of the checkpoint layout; files with a newer version are refused with a clear error.
+
+Version 2 adds ``meta["clock_digest"]``, the checksum of the save clock; version 1 files (without
+it) are still read."""
 
 _MARKER = "torchrepro_checkpoint"
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -96,6 +115,12 @@ class _Clock:
 
 
 _clock = _Clock()
+
+
+def _clock_digest(saved_at_ns: int, sequence: int) -> str:
+    """The checksum of a save clock (``meta["clock_digest"]``, format version 2)."""
+    text = f"{saved_at_ns},{sequence}".encode()
+    return hashlib.blake2b(text, digest_size=16, person=b"trepro-clock-v2").hexdigest()
 
 
 # --------------------------------------------------------------------------- kinds
@@ -316,6 +341,7 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
         "meta": {
             "saved_at_ns": saved_at_ns,
             "sequence": sequence,
+            "clock_digest": _clock_digest(saved_at_ns, sequence),
             "rank": rank,
             "world_size": world_size,
             "names": list(entries),
@@ -326,10 +352,71 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     }
     _check_loadable(payload["env"], "environment record")
     out = _rank_path(target, rank)
-    with _io.atomic_open(out, "wb") as f:
-        torch.save(payload, f)
+    existed = out.is_file()
+    try:
+        with _io.atomic_open(out, "wb") as f:
+            torch.save(payload, f)
+    except Exception as e:
+        cause = _os_error_in(e)
+        if cause is None:
+            raise
+        raise _write_error(out, cause, existed) from None
     _clock.observe(saved_at_ns, sequence)
     return str(out)
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error``: itself, or one in its cause/context chain (``torch.save``
+    turns a failed write into ``RuntimeError: [enforce fail at inline_container.cc] unexpected
+    pos``, raised while the write's ``OSError`` is being handled)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+# errno -> (what happened, what to do) for a write that failed.
+_WRITE_FAILURES = {
+    errno.ENOSPC: ("the disk is full", "Free space on it (or save to another disk) and save again"),
+    getattr(errno, "EDQUOT", -1): (
+        "the disk quota is used up",
+        "Free space or raise the quota, and save again",
+    ),
+    errno.EFBIG: (
+        "the file would be larger than this process may write (ulimit -f, RLIMIT_FSIZE) or the "
+        "filesystem allows",
+        "Raise the limit (ulimit -f unlimited) or save to another filesystem",
+    ),
+    errno.EACCES: ("permission denied", "Make the directory writable for this user, or save elsewhere"),
+    errno.EPERM: ("permission denied", "Make the directory writable for this user, or save elsewhere"),
+    errno.EROFS: ("the filesystem is read-only", "Save to a writable directory"),
+    errno.EEXIST: (  # from creating its directory
+        "a part of its directory path is a file, not a directory",
+        "Move that file away or save elsewhere",
+    ),
+    errno.ENOTDIR: (
+        "a part of its directory path is a file, not a directory",
+        "Move that file away or save elsewhere",
+    ),
+}
+
+
+def _write_error(out: Path, cause: OSError, existed: bool) -> CheckpointWriteError:
+    what = cause.strerror or str(cause) or type(cause).__name__
+    if cause.filename is not None and not str(cause.filename).endswith(_io.TMP_SUFFIX):
+        what += f": {cause.filename}"  # the directory it could not create or write in
+    fact, fix = _WRITE_FAILURES.get(cause.errno or 0, (None, "Fix the cause and save again"))
+    kept = "the previous checkpoint there is intact" if existed else "nothing was written there"
+    error = CheckpointWriteError(
+        f"Cannot write checkpoint {out}: {f'{fact} ({what})' if fact else what}. {fix}; {kept} and "
+        "no temporary file is left."
+    )
+    error.errno = cause.errno  # still an OSError a caller can test for errno.ENOSPC
+    return error
 
 
 _PACKED = "__torchrepro_int64_list__"
@@ -438,21 +525,50 @@ def _feed_tensor(parts: list[bytes | memoryview], keep: list[torch.Tensor], t: t
 # --------------------------------------------------------------------------- read and validate
 
 
-def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
-    """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"No checkpoint file at {path}.") from None
+_DEFAULT_EXPANSION_SLACK = 64 << 20
+
+
+def _expansion_limit(file_size: int, max_expanded_bytes: int | None) -> int:
+    """``max_expanded_bytes``, or by default twice the file's size plus 64 MiB: ``torch.save``
+    stores its members uncompressed, so a checkpoint it wrote never declares more than its size."""
+    if max_expanded_bytes is None:
+        return 2 * file_size + _DEFAULT_EXPANSION_SLACK
+    return max_expanded_bytes
+
+
+def _check_limit(max_expanded_bytes: Any) -> None:
+    if max_expanded_bytes is None:
+        return
+    if isinstance(max_expanded_bytes, bool) or not isinstance(max_expanded_bytes, int):
+        raise TypeError(
+            f"max_expanded_bytes must be an int (bytes) or None (the default limit), got "
+            f"{type(max_expanded_bytes).__name__} {max_expanded_bytes!r}."
+        )
+    if max_expanded_bytes < 0:
+        raise ValueError(f"max_expanded_bytes must be >= 0, got {max_expanded_bytes}.")
+
+
+def _read(
+    path: Path, *, map_location: Any = "cpu", mmap: bool = False, max_expanded_bytes: int | None = None
+) -> dict[str, Any]:
+    """Load and structurally validate one checkpoint file; ``CheckpointError`` naming it if bad.
+
+    Nothing is unpacked before the sizes the file declares are checked against the limit
+    (``max_expanded_bytes``, see ``_expansion_limit``).
+    """
+    size, head = _open_file(path)
     if size == 0:
         raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
-    with open(path, "rb") as f:
-        head = f.read(4)
     if head != _ZIP_MAGIC:
         raise CheckpointError(
             f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
             "a checkpoint written by torchrepro.save_checkpoint."
         )
+    limit = _expansion_limit(size, max_expanded_bytes)
+    declared = _declared_bytes(path)
+    if declared > limit:
+        what = f"before unpacking it: its zip members declare {declared:,} bytes"
+        raise _too_large(path, size, declared, limit, what, max_expanded_bytes)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -460,16 +576,139 @@ def _read(path: Path, *, map_location: Any = "cpu", mmap: bool = False) -> dict[
     except Exception as e:
         raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(path, e)}") from None
     _validate(payload, path)
+    needed = declared + _copied_bytes(payload)
+    if needed > limit:
+        what = (
+            f"before checksumming it: its members and the copies its non-contiguous tensor views "
+            f"need take {needed:,} bytes"
+        )
+        raise _too_large(path, size, needed, limit, what, max_expanded_bytes)
     return payload  # type: ignore[no-any-return]
 
 
+def _open_file(path: Path) -> tuple[int, bytes]:
+    """``(size, first 4 bytes)`` of the regular file at ``path``; ``CheckpointError`` naming it
+    and the cause for anything else (missing, a directory or pipe, a symlink loop, no read
+    permission). Opened non-blocking, so a named pipe in its place cannot hang the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CheckpointError(
+                f"Checkpoint {path} is a symbolic link to a file that does not exist; point it at the "
+                "checkpoint file or remove it."
+            ) from None
+        raise CheckpointError(f"No checkpoint file at {path}.") from None
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_a_file(path, info.st_mode)
+        return info.st_size, os.read(fd, 4)
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    finally:
+        os.close(fd)
+
+
+# errno -> (what happened, what to do) for a file that cannot be read.
+_READ_FAILURES = {
+    errno.EACCES: ("permission denied", "Make it readable for this user (chmod u+r) or load it as its owner"),
+    errno.EPERM: ("permission denied", "Make it readable for this user (chmod u+r) or load it as its owner"),
+    errno.ELOOP: (
+        "it is a symbolic link loop (links that lead back to themselves)",
+        "Point the link at the checkpoint file or remove it",
+    ),
+    errno.EIO: (
+        "the storage reported an I/O error",
+        "Copy it again from a backup, or resume from another checkpoint",
+    ),
+}
+
+
+def _unreadable(path: Path, e: OSError) -> CheckpointError:
+    return CheckpointError(f"Checkpoint {path} cannot be read: {_read_failure(e)}")
+
+
+def _read_failure(e: OSError) -> str:
+    what = e.strerror or str(e) or type(e).__name__
+    fact, fix = _READ_FAILURES.get(e.errno or 0, (None, "Fix the cause, or resume from another checkpoint"))
+    return f"{f'{fact} ({what})' if fact else what}. {fix}."
+
+
+def _not_a_file(path: Path, mode: int) -> CheckpointError:
+    if stat.S_ISDIR(mode):
+        return CheckpointError(
+            f"Checkpoint {path} is a directory, not a checkpoint file: save_checkpoint writes one file. "
+            "To find the newest checkpoint inside a directory, call latest_checkpoint(directory)."
+        )
+    kind = (
+        "a named pipe (FIFO)" if stat.S_ISFIFO(mode)
+        else "a socket" if stat.S_ISSOCK(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "not a regular file"
+    )  # fmt: skip
+    return CheckpointError(
+        f"Checkpoint {path} is {kind}, not a checkpoint file written by save_checkpoint; remove it or "
+        "pass the path of the checkpoint file."
+    )
+
+
+_DAMAGED_ZIP = (
+    "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
+    "writer that is not atomic). Delete it and resume from an earlier checkpoint."
+)
+
+
+def _declared_bytes(path: Path) -> int:
+    """The total uncompressed size the zip archive declares for its members (read from its
+    central directory: nothing is unpacked). ``torch.load`` allocates what is declared."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return sum(info.file_size for info in archive.infolist())
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    except Exception:  # BadZipFile, and whatever a crafted central directory raises
+        raise CheckpointError(f"Checkpoint {path} cannot be read: {_DAMAGED_ZIP}") from None
+
+
+def _copied_bytes(obj: Any) -> int:
+    """Bytes the checksums copy to read ``obj``'s tensors: a strided tensor that is not contiguous
+    is copied whole, and a view (an ``expand``) can declare far more elements than it stores."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout == torch.strided and not obj.is_contiguous():
+            return obj.numel() * obj.element_size()
+        return 0
+    if isinstance(obj, dict):
+        return sum(_copied_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_copied_bytes(v) for v in obj)
+    return 0
+
+
+def _too_large(
+    path: Path, size: int, needed: int, limit: int, what: str, max_expanded_bytes: int | None
+) -> CheckpointError:
+    rule = (
+        "the default: twice the file's size plus 64 MiB"
+        if max_expanded_bytes is None
+        else "max_expanded_bytes"
+    )
+    return CheckpointError(
+        f"Checkpoint {path} was refused {what}, more than the limit of {limit:,} bytes ({rule}) for a "
+        f"file of {size:,} bytes. A checkpoint save_checkpoint writes stays within it unless it holds "
+        "expanded tensor views, so this one is likely damaged or crafted to exhaust memory. If you "
+        f"trust it, pass max_expanded_bytes={needed} (or more) to load_checkpoint or latest_checkpoint."
+    )
+
+
 def _describe_load_error(path: Path, e: Exception) -> str:
+    if isinstance(e, OSError) and e.errno in _READ_FAILURES:  # not EINVAL: torch's for a truncated file
+        return _read_failure(e)
     text = str(e)
     if not zipfile.is_zipfile(path) or "central directory" in text or "zip archive" in text:
-        return (
-            "it is truncated or its zip structure is damaged (incomplete copy, full disk, or a "
-            "writer that is not atomic). Delete it and resume from an earlier checkpoint."
-        )
+        return _DAMAGED_ZIP
     if "Weights only load failed" in text:
         return (
             "it contains pickled Python objects that torch.load(weights_only=True) refuses; "
@@ -507,8 +746,17 @@ def _validate(payload: Any, path: Path) -> None:
         problems.append("'rng' is missing or malformed")
     if not isinstance(payload.get("env"), dict):
         problems.append("'env' is missing")
+    if version >= 2 and isinstance(meta, dict) and not isinstance(meta.get("clock_digest"), str):
+        problems.append("'meta' has no save clock checksum")
     if problems:
         raise CheckpointError(f"Checkpoint {path} is malformed: {'; '.join(problems)}.")
+    meta = payload["meta"]  # a complete dict now
+    if version >= 2 and meta["clock_digest"] != _clock_digest(meta["saved_at_ns"], meta["sequence"]):
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupt: its save clock (saved_at_ns={meta['saved_at_ns']}, "
+            f"sequence={meta['sequence']}) does not match its checksum, so it cannot be ordered against "
+            "other checkpoints. Delete it and resume from another checkpoint."
+        )
 
 
 def _valid_entry(entry: Any) -> bool:
@@ -547,6 +795,7 @@ def load_checkpoint(
     map_location: Any = "cpu",
     restore_rng: bool = True,
     verify: bool = True,
+    max_expanded_bytes: int | None = None,
     **objects: Any,
 ) -> dict[str, Any]:
     """Restore the named ``objects`` in place from ``path``, the RNG state last; return plain values.
@@ -560,13 +809,29 @@ def load_checkpoint(
     a loader's position is normalised on load, a finished epoch becoming the next one).
     ``restore_rng=False`` leaves the global RNG as it is (not an exact resume).
 
+    Before anything is copied into the objects, what can be checked cheaply is: names and kinds,
+    each module's keys, shapes and (with ``verify``) dtypes, each optimizer's parameter groups,
+    the RNG state and generators, the checksums of plain values and loaders. A load refused by
+    those checks leaves every object as it was. Found only after the copy: an object's own
+    ``load_state_dict`` refusing the state (e.g. a loader built with another batch size), and a
+    restored state that does not match its checksum (corrupt tensor bytes, lossy restores); a
+    second checksum pass before the copy would slow every load, and ``latest_checkpoint``
+    already checks the stored states.
+
+    ``max_expanded_bytes`` caps what reading the file may unpack (the zip members' declared
+    sizes, plus copies of non-contiguous tensor views for the checksums); a file declaring more
+    is refused before it is unpacked. The default, ``None``, is twice the file's size plus
+    64 MiB, which every file ``torch.save`` writes stays within.
+
     Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
-    present), kind mismatches, corrupt or truncated files, restores that do not reproduce the
-    saved state, a different world size. Warns (``ReproWarning``) when the checkpoint was saved
-    in a different environment (torch version, devices, determinism switches, threads).
+    present), kind mismatches, corrupt or truncated files, paths that are not readable files,
+    restores that do not reproduce the saved state, a different world size. Warns
+    (``ReproWarning``) when the checkpoint was saved in a different environment (torch version,
+    devices, determinism switches, threads).
     """
     from torchrepro.rng import RngState
 
+    _check_limit(max_expanded_bytes)
     base = Path(path)
     rank, world_size = _distributed()
     file = _rank_path(base, rank)
@@ -575,7 +840,7 @@ def load_checkpoint(
             f"Rank {rank} has no checkpoint file {file} beside {base}: every rank must call "
             "save_checkpoint(path, ...) with the same path (each saves its own RNG state)."
         )
-    payload = _read(file, map_location=map_location, mmap=_MMAP)
+    payload = _read(file, map_location=map_location, mmap=_MMAP, max_expanded_bytes=max_expanded_bytes)
     meta, entries = payload["meta"], payload["objects"]
     if meta["world_size"] != world_size:
         raise CheckpointError(
@@ -616,8 +881,19 @@ def load_checkpoint(
         )
 
     ordered = sorted(objects, key=lambda n: _RESTORE_ORDER.index(entries[n]["kind"]))
-    if verify:  # checked as stored, before anything changes: plain values, loaders, the RNG state
+    # What can be checked cheaply is checked before the first object changes.
+    if verify:  # checked as stored: plain values, loaders, the RNG state
         _verify(payload, file, [n for n, e in entries.items() if e["kind"] in _VERIFIED_AS_STORED])
+    rng_state = None
+    if restore_rng:
+        try:
+            rng_state = RngState.from_dict(_unpack(payload["rng"]["state"]))
+            _check_rng_targets(rng_state, generators)
+        except ReproError as e:
+            raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
+    for name in ordered:
+        if entries[name]["kind"] not in _VERIFIED_AS_STORED and entries[name]["kind"] != "generator":
+            _check_before_restore(file, name, objects[name], entries[name]["state"], verify=verify)
     for name in ordered:
         if entries[name]["kind"] != "generator":
             _restore_one(file, name, objects[name], entries[name]["state"])
@@ -633,13 +909,95 @@ def load_checkpoint(
                     "(different dtype, fewer entries, a load_state_dict that drops or converts "
                     "values). Restore into an object built like the one that was saved."
                 )
-    if restore_rng:
+    if rng_state is not None:
         try:
-            RngState.from_dict(_unpack(payload["rng"]["state"])).restore(generators=generators)
-        except ReproError as e:
+            rng_state.restore(generators=generators)
+        except ReproError as e:  # pragma: no cover - its checks ran above, before any restore
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
     _clock.observe(meta["saved_at_ns"], meta["sequence"])
     return {n: e["state"] for n, e in entries.items() if e["kind"] == "value"}
+
+
+def _check_rng_targets(state: RngState, generators: Mapping[str, Any]) -> None:
+    """What ``RngState.restore`` checks before it changes anything (each generator's kind and
+    device, the CUDA device count), run before the first object is restored."""
+    from torchrepro import rng
+
+    for name, gen in generators.items():
+        state._check_target(name, gen)
+    rng._check_device_count(state.cuda)
+
+
+def _check_before_restore(file: Path, name: str, obj: Any, state: Any, *, verify: bool) -> None:
+    """Refuse, before anything is copied, a restore that cannot reproduce the saved ``state``: what
+    a module's or optimizer's ``load_state_dict`` would refuse only after copying part of it, and
+    (with ``verify``) a module dtype that the checksum after the copy would refuse."""
+    if isinstance(obj, torch.nn.Module):
+        problems, dtypes = _module_mismatches(obj, state, dtypes=verify)
+    elif isinstance(obj, torch.optim.Optimizer):
+        problems, dtypes = _optimizer_mismatches(obj, state), []
+    else:
+        problems, dtypes = [], []
+    if problems:
+        raise CheckpointError(
+            f"Cannot restore {name!r} ({type(obj).__qualname__}) from {file}: {'; '.join(problems)}. "
+            "Nothing was changed; restore into an object built like the one that was saved."
+        )
+    if dtypes:
+        raise CheckpointError(
+            f"Restoring {name!r} from {file} did not reproduce the saved state in a check before "
+            "copying: the object cannot hold the saved values exactly "
+            f"({_some(dtypes, quote=False)}). Nothing was changed; restore into an object built like "
+            "the one that was saved (same dtypes)."
+        )
+
+
+def _module_mismatches(module: torch.nn.Module, state: Any, *, dtypes: bool) -> tuple[list[str], list[str]]:
+    """What ``module.load_state_dict(state, strict=True)`` would refuse after copying part of it
+    (missing and unexpected keys, shapes), and, with ``dtypes``, the dtypes it would convert."""
+    if not isinstance(state, Mapping):
+        return [], []  # load_state_dict refuses it before copying anything
+    current = module.state_dict(keep_vars=True)
+    problems, conversions = [], []
+    missing = [k for k in current if k not in state]
+    unexpected = [k for k in state if k not in current]
+    if missing:
+        problems.append(f"Missing key(s) in the checkpoint: {_some(missing)}")
+    if unexpected:
+        problems.append(f"Unexpected key(s) in the checkpoint: {_some(unexpected)}")
+    for key, have in current.items():
+        saved = state.get(key)
+        if not isinstance(have, torch.Tensor) or key not in state or torch.nn.parameter.is_lazy(have):
+            continue
+        if not isinstance(saved, torch.Tensor):
+            problems.append(f"{key} is a {type(saved).__name__} in the checkpoint, a tensor in the module")
+        elif saved.shape != have.shape and not (have.dim() == 0 and saved.shape == (1,)):
+            problems.append(
+                f"size mismatch for {key}: the checkpoint holds shape {tuple(saved.shape)}, the module "
+                f"{tuple(have.shape)}"
+            )
+        elif dtypes and saved.dtype != have.dtype:
+            conversions.append(f"{key} is {saved.dtype} in the checkpoint, {have.dtype} in the module")
+    return problems, conversions
+
+
+def _optimizer_mismatches(optimizer: torch.optim.Optimizer, state: Any) -> list[str]:
+    """The parameter-group mismatch ``Optimizer.load_state_dict`` would refuse."""
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return []  # malformed: load_state_dict refuses it before changing anything
+    saved = [len(g["params"]) for g in groups]
+    have = [len(g["params"]) for g in optimizer.param_groups]
+    if saved == have:
+        return []
+    return [f"the checkpoint has parameter groups of {saved} parameters, the optimizer {have}"]
+
+
+def _some(items: list[str], limit: int = 10, *, quote: bool = True) -> str:
+    shown = ", ".join(repr(k) if quote else k for k in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def _restore_one(file: Path, name: str, obj: Any, state: Any) -> None:
@@ -661,7 +1019,9 @@ def _restore_one(file: Path, name: str, obj: Any, state: Any) -> None:
 # --------------------------------------------------------------------------- latest
 
 
-def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True) -> str | None:
+def latest_checkpoint(
+    directory: str | os.PathLike[str], *, verify: bool = True, max_expanded_bytes: int | None = None
+) -> str | None:
     """The most recently saved complete checkpoint in ``directory``, or ``None`` if there is none.
 
     "Most recent" is the save clock stored inside each file, not the filesystem mtime. Temporary
@@ -670,18 +1030,27 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
     missing) are skipped with a ``ReproWarning`` naming them. With ``verify`` (default) the chosen
     file's stored states are also checked against their checksums (one full read);
     ``verify=False`` checks structure only, and ``load_checkpoint`` still verifies.
+
+    Anything named like a checkpoint that is not a readable checkpoint file (a directory, a
+    symlink loop, a file without read permission, one declaring more than ``max_expanded_bytes``
+    once unpacked, see ``load_checkpoint``) is skipped with a ``ReproWarning`` too.
     """
+    _check_limit(max_expanded_bytes)
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
+    try:
+        files = sorted(root.iterdir())
+    except OSError as e:
+        raise CheckpointError(f"Checkpoint directory {root} cannot be listed: {_read_failure(e)}") from None
     rank, _ = _distributed()
     headers: list[tuple[tuple[int, int, str], Path]] = []
-    for file in sorted(root.iterdir()):
+    for file in files:
         if not _looks_like_checkpoint(file):
             continue
         try:
-            payload = _read(file, mmap=True)
-            _check_rank_files(file, payload)
+            payload = _read(file, mmap=True, max_expanded_bytes=max_expanded_bytes)
+            _check_rank_files(file, payload, max_expanded_bytes)
         except CheckpointError as e:
             _skip(e)
             continue
@@ -691,7 +1060,7 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
         if verify:
             try:
                 own = _rank_path(file, rank)
-                _verify(_read(own, mmap=True), own)
+                _verify(_read(own, mmap=True, max_expanded_bytes=max_expanded_bytes), own)
             except CheckpointError as e:
                 _skip(e)
                 continue
@@ -700,24 +1069,28 @@ def latest_checkpoint(directory: str | os.PathLike[str], *, verify: bool = True)
 
 
 def _looks_like_checkpoint(file: Path) -> bool:
+    """Named like a checkpoint (whatever it is: ``_read`` refuses, and the caller warns about, one
+    that is not a readable file), or a regular file that starts like a torch zip file."""
     name = file.name
-    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name) or not file.is_file():
+    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name):
         return False
     if name.endswith(_CHECKPOINT_SUFFIXES):
         return True
+    if not file.is_file():  # never open a named pipe: that would wait for a writer
+        return False
     with contextlib.suppress(OSError), open(file, "rb") as f:
         return f.read(4) == _ZIP_MAGIC
     return False
 
 
-def _check_rank_files(file: Path, payload: Mapping[str, Any]) -> None:
+def _check_rank_files(file: Path, payload: Mapping[str, Any], max_expanded_bytes: int | None) -> None:
     meta = payload["meta"]
     for r in range(1, meta["world_size"]):
         if not _rank_path(file, r).is_file():
             raise CheckpointError(
                 f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is missing."
             )
-        other = _read(_rank_path(file, r), mmap=True)
+        other = _read(_rank_path(file, r), mmap=True, max_expanded_bytes=max_expanded_bytes)
         if other["meta"]["sequence"] != meta["sequence"] or other["meta"]["world_size"] != meta["world_size"]:
             raise CheckpointError(
                 f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is from "

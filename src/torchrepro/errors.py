@@ -11,6 +11,7 @@ import warnings
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "DataLoaderStateError",
     "DeterminismError",
     "EnvFileError",
@@ -52,6 +53,14 @@ class UnsupportedDatasetError(ReproError, TypeError):
 
 class CheckpointError(ReproError):
     """A checkpoint cannot be written, read, or does not match what it is loaded into."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint cannot be written (no space left, a file-size limit, no permission...).
+
+    Also an ``OSError`` with the ``errno`` of the failed write, so code that handles a full disk
+    as an ``OSError`` keeps working; the previous file at the path is left as it was.
+    """
 
 
 class LaunchError(ReproError):
