@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env  # noqa: F401
     from torchrepro.errors import (
         CheckpointError,
+        CheckpointWriteError,
         DataLoaderStateError,
         DeterminismError,
         EnvFileError,
@@ -50,6 +51,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointWriteError",
     "DataLoaderStateError",
     "DeterminismError",
     "DeterminismFlags",
@@ -87,6 +89,7 @@ _WHERE = {
     **dict.fromkeys(
         [
             "CheckpointError",
+            "CheckpointWriteError",
             "DataLoaderStateError",
             "DeterminismError",
             "EnvFileError",
