@@ -244,7 +244,12 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 print(f"  {note}")
             if result.tensor is not None:
                 t = result.tensor
-                diff = "not stored (tensor too large)" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
+                if t.nonfinite:
+                    diff = "not finite (NaN or infinity in one run against another value, or an overflow)"
+                elif t.max_abs_diff is None:
+                    diff = "not stored (tensor too large)"
+                else:
+                    diff = f"{t.max_abs_diff:.3g}"
                 print(f"  first differing tensor: #{t.leaf} {t.dtype}{t.shape}, largest |a-b|: {diff}")
         breaking = [d for d in data["env_differences"] if d.get("breaks")]
         for d in data["env_differences"]:

@@ -9,6 +9,9 @@ Invariants:
   runs did different things there (another kind or key) and the second run's event has the
   earlier step: then the divergence is that event's.
 - Records are read through ``runrecord`` (incrementally for live files: ``EventTail``).
+- The first differing tensor's largest absolute difference counts equal values (equal
+  infinities, NaN in both runs) as no difference; NaN or an infinity against another value is
+  an unbounded difference (``nonfinite``, ``max_abs_diff`` None), so every result is strict JSON.
 - A ``compute`` divergence at step k is located (op, module, line, rank) from op traces of step k
   (``trace-step<k>.rank<R>`` files, written by ``torchrepro run --trace-step k``) by one code path,
   ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict.
@@ -127,20 +130,27 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: 
 
 @dataclass(frozen=True)
 class TensorDifference:
-    """The first differing tensor of a diverging event; its largest absolute difference if stored."""
+    """The first differing tensor of a diverging event; its largest absolute difference if stored.
+
+    ``max_abs_diff`` is None when the values were not stored (a large tensor) or when the
+    difference is unbounded: ``nonfinite`` is then True (an element is NaN or infinite in one run
+    and another value in the other, or ``|a-b|`` overflows).
+    """
 
     leaf: int
     shape: list[int]
     dtype: str
     max_abs_diff: float | None
+    nonfinite: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
+        """JSON-able form (strict JSON: never NaN or an infinity)."""
         return {
             "leaf": self.leaf,
             "shape": self.shape,
             "dtype": self.dtype,
             "max_abs_diff": self.max_abs_diff,
+            "nonfinite": self.nonfinite,
         }
 
 
@@ -179,17 +189,34 @@ def _env_diff_dict(d: Any) -> dict[str, Any]:
     return {k: getattr(d, k, None) for k in keys}
 
 
+def _largest_difference(va: list[float], vb: list[float]) -> float | None:
+    """The largest ``|a-b|`` over elements that differ (0.0: none); None when it is unbounded."""
+    largest = 0.0
+    for x, y in zip(va, vb, strict=True):
+        x, y = float(x), float(y)
+        if x == y or (math.isnan(x) and math.isnan(y)):  # equal, equal infinities, NaN in both
+            continue
+        d = abs(x - y)
+        if not math.isfinite(d):  # NaN or an infinity against another value, or an overflow
+            return None
+        largest = max(largest, d)
+    return largest
+
+
 def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference | None:
     """The first differing tensor leaf of two events, with its largest absolute difference if stored."""
     for i, (la, lb) in enumerate(zip(a.get("t", []), b.get("t", []), strict=False)):
         if la["fp"] == lb["fp"]:
             continue
         diff: float | None = None
+        nonfinite = False
         va, vb = la.get("v"), lb.get("v")
         if va is not None and vb is not None and len(va) == len(vb):
-            diffs = [abs(x - y) for x, y in zip(va, vb, strict=True) if not (math.isnan(x) and math.isnan(y))]
-            diff = max(diffs, default=0.0)
-        return TensorDifference(leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff)
+            diff = _largest_difference(va, vb)
+            nonfinite = diff is None
+        return TensorDifference(
+            leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff, nonfinite=nonfinite
+        )
     return None
 
 
