@@ -416,11 +416,6 @@ def test_matching_traces_say_the_difference_entered_outside_them(tmp_path: Path)
     assert any("match on every rank" in note for note in result.notes)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_locate_recorded: when every pair of op traces fails to load, locate_in_traces returns "
-    "None as if they matched, and the note then claims the traces 'match on every rank'",
-)
 def test_unreadable_traces_are_not_reported_as_matching(tmp_path: Path) -> None:
     a = make_record(tmp_path / "a", {0: training(3)})
     b = make_record(tmp_path / "b", {0: training(3, fps={1: "x"})})

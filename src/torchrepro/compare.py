@@ -14,7 +14,8 @@ Invariants:
   an unbounded difference (``nonfinite``, ``max_abs_diff`` None), so every result is strict JSON.
 - A ``compute`` divergence at step k is located (op, module, line, rank) from op traces of step k
   (``trace-step<k>.rank<R>`` files, written by ``torchrepro run --trace-step k``) by one code path,
-  ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict.
+  ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict, and
+  traces that could not be compared are never reported as matching.
 """
 
 from __future__ import annotations
@@ -293,13 +294,21 @@ def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Div
     if first.rank not in ranks:
         return first, [f"the op traces of step {k} do not cover rank {first.rank}; {hint}"]
     pairs = [(r, a.traces[k][r], b.traces[k][r]) for r in ranks]
-    located, notes = locate_in_traces(first, pairs)
-    if located is None:
+    located, notes, failed = _compare_trace_pairs(first, pairs)
+    if located is not None:
+        return located, notes
+    if failed:
+        compared = [r for r in ranks if r not in failed]
+        matched = f"; those of rank(s) {', '.join(map(str, compared))} match" if compared else ""
         notes.append(
-            f"the op traces of step {k} match on every rank: the difference entered outside the traced ops"
+            f"the op traces of step {k} could not be compared on rank(s) {', '.join(map(str, failed))}"
+            f"{matched}: the source op is unknown; {hint}"
         )
         return first, notes
-    return located, notes
+    notes.append(
+        f"the op traces of step {k} match on every rank: the difference entered outside the traced ops"
+    )
+    return first, notes
 
 
 def locate_in_traces(
@@ -311,24 +320,34 @@ def locate_in_traces(
     (None when every pair of traces matches), and notes on what went wrong or what the op did.
     Among ranks, the source is an op that is not a collective, preferably on ``first.rank``.
     """
+    located, notes, _ = _compare_trace_pairs(first, traces)
+    return located, notes
+
+
+def _compare_trace_pairs(
+    first: Divergence, traces: Sequence[tuple[int, str | os.PathLike[str], str | os.PathLike[str]]]
+) -> tuple[Divergence | None, list[str], list[int]]:
+    """``locate_in_traces``, plus the ranks whose traces could not be compared."""
     from torchrepro.tracing import OpDivergence, compare_traces
 
     notes: list[str] = []
+    failed: list[int] = []
     located: list[tuple[int, OpDivergence]] = []
     for r, ta, tb in traces:
         try:
             d = compare_traces(ta, tb)
         except Exception as exc:
             notes.append(f"comparing the op traces of rank {r} failed: {type(exc).__name__}: {exc}")
+            failed.append(r)
             continue
         if d is not None:
             located.append((r, d))
     if not located:
-        return None, notes
+        return None, notes, failed
     r, d = _pick_source(located, prefer_rank=first.rank)
     if d.note:
         notes.append(f"source op {d.op}: {d.note}")
-    return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes
+    return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes, failed
 
 
 def _pick_source(located: list[tuple[int, Any]], *, prefer_rank: int) -> tuple[int, Any]:
