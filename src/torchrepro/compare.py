@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torchrepro.runrecord import RunRecord, load_run
+from torchrepro.errors import EnvFileError
+from torchrepro.runrecord import ENV_FILE, RunRecord, load_run
 
 __all__ = [
     "Comparison",
@@ -165,7 +166,8 @@ class Comparison:
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
-    """What locating the source op did or could not do (op traces missing, of another step...)."""
+    """Why the environments were not compared, and what locating the source op did or could not do
+    (op traces missing, of another step, unreadable...)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
@@ -243,17 +245,10 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
         if first.index < len(ea) and first.index < len(eb):
             tensor = tensor_difference(ea[first.index], eb[first.index])
-    env_differences: list[Any] = []
-    if a.env is not None and b.env is not None and "error" not in a.env and "error" not in b.env:
-        try:
-            from torchrepro.env import Environment, diff_env
-
-            env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))
-        except Exception:  # an unreadable environment must not hide the verdict
-            env_differences = []
-    notes: list[str] = []
+    env_differences, notes = _env_differences(a, b)
     if first is not None and first.kind == "compute":
-        first, notes = _locate_recorded(first, a, b)
+        first, locate_notes = _locate_recorded(first, a, b)
+        notes += locate_notes
     return Comparison(
         reproducible=first is None,
         steps_compared=steps_compared(cursors),
@@ -262,6 +257,27 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         tensor=tensor,
         notes=tuple(notes),
     )
+
+
+def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
+    """The environment differences of two records, or none and a note saying why not.
+
+    An environment that is missing, failed to collect or is malformed never hides the verdict.
+    """
+    from torchrepro.env import Environment, diff_env
+
+    envs = []
+    for run in (a, b):
+        where = os.path.join(run.path, ENV_FILE)
+        if run.env is None:
+            return [], []  # no environment recorded (an older or hand-made record)
+        if "error" in run.env:
+            return [], [f"environments not compared: {where} says collecting it failed"]
+        try:
+            envs.append(Environment.from_dict(run.env))
+        except EnvFileError as exc:
+            return [], [f"environments not compared: {where} is malformed: {exc}"]
+    return list(diff_env(envs[0], envs[1])), []
 
 
 def optimizer_index(key: str | None) -> int:
