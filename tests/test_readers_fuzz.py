@@ -23,7 +23,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from torchrepro.cli import main
-from torchrepro.env import Environment
+from torchrepro.env import Environment, diff_env
+from torchrepro.errors import EnvFileError
+from torchrepro.runrecord import EventTail, read_events
 
 FUZZ = settings(
     max_examples=120,
@@ -370,6 +372,41 @@ def test_compare_of_a_record_with_its_damaged_copy(
     event(f"damaged copy: exit {check_compare(capsys, scratch, rec, other)}")
 
 
+@FUZZ
+@given(events_files(), st.lists(st.integers(1, 40), max_size=6))
+def test_the_live_reader_agrees_with_read_events(scratch: Path, content: bytes, chunks: list[int]) -> None:
+    """EventTail, fed the file in pieces as a running process writes it, reads what read_events
+    reads from the whole file: the same events, or the same error (file, line, problem)."""
+    path = _emptied(scratch / "tail") / "events.rank0.jsonl"
+    path.write_bytes(b"")
+    tail = EventTail(path)
+    live_error = None
+    written = 0
+    with open(path, "ab") as f:
+        for size in [*chunks, len(content)]:
+            f.write(content[written : written + size])
+            f.flush()
+            written += size
+            try:
+                tail.poll()
+            except EnvFileError as exc:
+                live_error = str(exc)
+                break
+        f.write(content[written:])
+    try:
+        expected, error = read_events(path), None
+    except EnvFileError as exc:
+        expected, error = [], str(exc)
+    assert live_error == error
+    if error is None:
+        tail.poll()
+        assert json.dumps(tail.events) == json.dumps(expected)  # NaN compares equal as text
+    else:
+        with pytest.raises(EnvFileError) as info:  # sticky: never skips the bad line
+            tail.poll()
+        assert str(info.value) == error
+
+
 GOOD = {"i": 0, "kind": "init", "key": "optimizer0", "step": 0, "fp": "a", "t": []}
 
 
@@ -551,3 +588,31 @@ def test_each_kind_of_damaged_environment_is_refused_naming_the_file(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, content: bytes, as_dir: bool
 ) -> None:
     check_env_diff(capsys, tmp_path, (_dumps(VALID_ENV), False), (content, True), as_dir=as_dir)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"x": math.nan},
+        {"x": [math.inf]},
+        {"x": "\udc80"},
+        {"x": 10**5000},
+        {"env_vars": {"A": "\ud800"}},
+    ],
+)
+def test_an_environment_built_in_python_must_be_strict_json_too(extra: dict[str, Any]) -> None:
+    with pytest.raises(EnvFileError, match="An environment must be strict JSON"):
+        Environment.from_dict({**VALID_ENV, **extra})
+
+
+def test_an_environment_nested_deeper_than_any_stack_is_refused_not_a_recursion_error() -> None:
+    deep: Any = 1
+    for _ in range(DEEP):
+        deep = [deep]
+    with pytest.raises(EnvFileError, match="nested deeper than 100 levels"):
+        Environment.from_dict({**VALID_ENV, "x": deep})
+    shallow: Any = 1
+    for _ in range(99):  # the environment is level 1, the innermost list level 100: the limit
+        shallow = [shallow]
+    env = Environment.from_dict({**VALID_ENV, "x": shallow})  # the control: at the limit, read
+    assert diff_env(env, env) == []
