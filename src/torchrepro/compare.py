@@ -264,13 +264,14 @@ def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
 
     An environment that is missing, failed to collect or is malformed never hides the verdict.
     """
-    from torchrepro.env import Environment, diff_env
+    if a.env is None or b.env is None:
+        return [], []  # no environment recorded (an older or hand-made record)
+    from torchrepro.env import Environment, diff_env  # imports torch: only when there is work
 
     envs = []
     for run in (a, b):
         where = os.path.join(run.path, ENV_FILE)
-        if run.env is None:
-            return [], []  # no environment recorded (an older or hand-made record)
+        assert run.env is not None
         if "error" in run.env:
             return [], [f"environments not compared: {where} says collecting it failed"]
         try:
