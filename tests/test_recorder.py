@@ -45,14 +45,17 @@ def test_event_fingerprint_is_value_sensitive_and_layout_independent(tmp_path: P
 
 def test_torn_last_line_of_a_crashed_run_is_ignored(tmp_path: Path) -> None:
     path = tmp_path / "events.rank0.jsonl"
-    path.write_text(json.dumps({"kind": "init"}) + "\n" + '{"kind": "comp')
-    assert read_events(path) == [{"kind": "init"}]
+    init = {"kind": "init", "key": "optimizer0", "step": 0, "fp": "a", "t": []}
+    compute = {"kind": "compute", "key": "optimizer0", "step": 0, "fp": "b", "t": []}
+    text = json.dumps(compute)
+    path.write_text(json.dumps(init) + "\n" + text[:12])  # '{"kind": "co'
+    assert read_events(path) == [init]
     tail = EventTail(path)
     assert tail.poll() == 1
     with open(path, "a") as f:
-        f.write('ute"}\n')
+        f.write(text[12:] + "\n")
     assert tail.poll() == 1
-    assert tail.events[-1] == {"kind": "compute"}
+    assert tail.events[-1] == compute
 
 
 def test_record_outside_a_recorded_run_is_a_no_op_and_validates_its_name() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -17,16 +18,18 @@ from torchrepro.errors import EnvFileError, ReproError
 from torchrepro.runrecord import (
     COMMAND_FILE,
     ENV_FILE,
+    EVENT_KINDS,
     SETTINGS_FILE,
     VERDICT_FILE,
     EventTail,
     RunSettings,
     events_path,
+    json_problem,
     load_run,
     new_run_dir,
+    parse_json,
     read_events,
     read_json,
-    stale_traces,
     trace_path,
     trace_prefix,
     write_env,
@@ -210,12 +213,6 @@ def test_load_run_finds_trace_files(tmp_path: Path) -> None:
         (step, rank): Path(p).resolve() for step, ranks in run.traces.items() for rank, p in ranks.items()
     }
     assert found == {k: p.resolve() for k, p in made.items()}
-    assert stale_traces(tmp_path) == sorted(made.values(), key=lambda p: p.name)
-
-
-def test_no_stale_traces_in_a_fresh_record(tmp_path: Path) -> None:
-    assert stale_traces(tmp_path) == []
-    assert stale_traces(tmp_path / "missing") == []
 
 
 # --- events readers -------------------------------------------------------------------------------
@@ -284,3 +281,193 @@ def test_new_run_dir_creates_unique_empty_directories(tmp_path: Path) -> None:
 @given(st.integers(0, 10))
 def test_events_path_names(rank: int) -> None:
     assert events_path("r", rank) == Path("r") / f"events.rank{rank}.jsonl"
+
+
+# --- malformed input: every complete events line is validated ---------------------------------
+
+GOOD_LEAF = {"fp": "ab", "dtype": "float32", "shape": [2], "v": [1.0, math.nan]}
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("[1, 2]", "an event must be a JSON object, got array"),
+        ('"text"', "an event must be a JSON object, got string"),
+        ("3", "an event must be a JSON object, got number"),
+        ("null", "an event must be a JSON object, got null"),
+        ("{}", "the event has no 'kind' field"),
+        ('{"kind": "init", "key": "k", "step": 0, "fp": "a"}', "the event has no 't' field"),
+        ('{"kind": "warmup", "key": "k", "step": 0, "fp": "a", "t": []}', "'kind' must be one of init"),
+        ('{"kind": ["init"], "key": "k", "step": 0, "fp": "a", "t": []}', "'kind' must be one of"),
+        ('{"kind": "init", "key": 3, "step": 0, "fp": "a", "t": []}', "'key' must be a string"),
+        ('{"kind": "init", "key": "k", "step": 0, "fp": null, "t": []}', "'fp' must be a string"),
+        ('{"kind": "init", "key": "k", "step": "3", "fp": "a", "t": []}', "'step' must be an integer"),
+        ('{"kind": "init", "key": "k", "step": null, "fp": "a", "t": []}', "'step' must be an integer"),
+        ('{"kind": "init", "key": "k", "step": true, "fp": "a", "t": []}', "'step' must be an integer"),
+        ('{"kind": "init", "key": "k", "step": -1, "fp": "a", "t": []}', "'step' must be an integer"),
+        ('{"kind": "init", "key": "k", "step": 1.0, "fp": "a", "t": []}', "'step' must be an integer"),
+        ('{"kind": "init", "key": "k", "step": 9223372036854775808, "fp": "a", "t": []}', "2**63-1"),
+        ('{"kind": "init", "key": "k", "step": 0, "fp": "a", "t": {}}', "'t' must be an array"),
+        ('{"kind": "init", "key": "k", "step": 0, "fp": "a", "t": [3]}', "t[0]: a tensor entry must be"),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", "t": [{}]}',
+            "t[0]: the tensor entry has no 'fp'",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", "t": [{"fp": "x", "dtype": 1, "shape": []}]}',
+            "t[0]: 'dtype' must be a string",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", '
+            '"t": [{"fp": "x", "dtype": "f", "shape": [-1]}]}',
+            "t[0]: 'shape' must be an array of integers",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", '
+            '"t": [{"fp": "x", "dtype": "f", "shape": 2}]}',
+            "t[0]: 'shape' must be an array of integers",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", '
+            '"t": [{"fp": "x", "dtype": "f", "shape": [1], "v": ["1"]}]}',
+            "t[0]: 'v' must be an array of numbers",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", '
+            '"t": [{"fp": "x", "dtype": "f", "shape": [1], "v": [true]}]}',
+            "t[0]: 'v' must be an array of numbers",
+        ),
+        (
+            '{"kind": "init", "key": "k", "step": 0, "fp": "a", '
+            '"t": [{"fp": "x", "dtype": "f", "shape": [1], "v": [1' + "0" * 400 + "]}]}",
+            "an integer too large for a float",
+        ),
+        (
+            '{"kind": "init", "key": "\\ud800", "step": 0, "fp": "a", "t": []}',
+            "'key' must be a string of Unicode",
+        ),
+        ("{not json}", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than"),
+        ("1" * 5000, "an integer of 5000 digits"),
+    ],
+)
+def test_a_malformed_events_line_names_the_file_line_and_problem(
+    tmp_path: Path, line: str, problem: str
+) -> None:
+    path = events_path(tmp_path, 0)
+    write_events(path, [EVENT, EVENT], tail=line + "\n" + json.dumps(EVENT) + "\n")
+    expected = f"cannot read events file {path}, line 3: "
+    with pytest.raises(EnvFileError) as info:
+        read_events(path)
+    message = str(info.value)
+    assert message.startswith(expected) and problem in message, message
+    assert "\n" not in message and len(message) < 400 + len(str(path))
+    with pytest.raises(EnvFileError) as info:  # through load_run: the same error
+        load_run(tmp_path)
+    assert str(info.value) == message
+    tail = EventTail(path)
+    with pytest.raises(EnvFileError) as info:  # the live reader: the same error
+        tail.poll()
+    assert str(info.value) == message
+    assert tail.events == [EVENT, EVENT]  # the lines before it were read
+    with pytest.raises(EnvFileError, match="line 3"):  # sticky: polling again does not skip it
+        tail.poll()
+
+
+def test_events_that_are_not_utf8_name_the_line(tmp_path: Path) -> None:
+    path = events_path(tmp_path, 0)
+    path.write_bytes(json.dumps(EVENT).encode() + b"\n" + b'{"kind": "\xff"}\n')
+    with pytest.raises(EnvFileError, match=r"line 2: not UTF-8 text"):
+        read_events(path)
+    with pytest.raises(EnvFileError, match=r"line 2: not UTF-8 text"):
+        EventTail(path).poll()
+
+
+def test_well_formed_events_in_all_their_forms_are_read(tmp_path: Path) -> None:
+    # the negative control of the table above: what the recorder writes, and then some
+    events = [
+        {**EVENT, "kind": kind, "step": step, "t": [GOOD_LEAF, {"fp": "x", "dtype": "int64", "shape": []}]}
+        for kind in ("init", "data", "compute", "record")
+        for step in (0, 2**63 - 1)
+    ]
+    events.append(
+        {**EVENT, "future_field": [[{"deep": None}]], "t": [{**GOOD_LEAF, "v": [math.inf, 1, -0.0]}]}
+    )
+    path = events_path(tmp_path, 0)
+    write_events(path, events, tail="\n   \n")  # whitespace-only lines are skipped
+    got = read_events(path)
+    assert len(got) == len(events)
+    assert json.dumps(got) == json.dumps(events)  # NaN and infinities in recorded values are kept
+    tail = EventTail(path)
+    assert tail.poll() == len(events)
+    assert json.dumps(tail.events) == json.dumps(events)
+
+
+def test_runrecord_knows_the_kinds_the_recorder_writes() -> None:
+    from torchrepro.recorder import EVENT_KINDS as RECORDED
+
+    assert EVENT_KINDS is RECORDED  # one owner: the recorder takes them from runrecord
+
+
+def test_event_tail_recovers_when_a_malformed_file_is_rewritten(tmp_path: Path) -> None:
+    path = events_path(tmp_path, 0)
+    write_events(path, [EVENT], tail='{"kind": "init"}\n')
+    tail = EventTail(path)
+    with pytest.raises(EnvFileError, match="line 2: the event has no 'key' field"):
+        tail.poll()
+    path.write_text("")  # the process re-executed itself: the file starts over
+    assert tail.poll() == 0
+    write_events(path, [EVENT])
+    assert tail.poll() == 1 and tail.events == [EVENT]
+
+
+# --- malformed JSON files -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (b'{"seed": NaN}', "NaN or an infinity"),
+        (b'{"seed": -Infinity}', "NaN or an infinity"),
+        (b'{"seed": 1e999}', "NaN or an infinity"),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "an integer of 5000 digits"),
+        (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "nested deeper than"),
+        (b"[" * 101 + b"]" * 101, "nested deeper than 100 levels"),
+        (b'{"x": "\\udc80"}', "not Unicode text"),
+        (b'{"x": 1', "not valid JSON"),
+        (b"\xff\xfe{}", "not UTF-8 text"),
+    ],
+)
+def test_read_json_refuses_what_is_not_strict_json(tmp_path: Path, content: bytes, problem: str) -> None:
+    path = tmp_path / "f.json"
+    path.write_bytes(content)
+    with pytest.raises(EnvFileError, match=f"cannot read {re.escape(str(path))}: ") as info:
+        read_json(path)
+    assert problem in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_json(content)
+
+
+def test_parse_json_accepts_strict_json_and_nan_only_when_asked() -> None:
+    deep = "[" * 100 + "]" * 100  # exactly the limit
+    assert parse_json(deep) is not None
+    assert parse_json('{"a": [1, 2.5, "\\u00e9", null, true]}') == {"a": [1, 2.5, "é", None, True]}
+    assert math.isnan(parse_json("[NaN]", allow_nan=True)[0])
+    assert (
+        json_problem({"a": [math.inf]}) is not None
+        and json_problem({"a": [math.inf]}, allow_nan=True) is None
+    )
+
+
+@pytest.mark.parametrize("name", [SETTINGS_FILE, ENV_FILE])
+@pytest.mark.parametrize(
+    "content", [b'{"seed": NaN}', b"[" * 5000 + b"]" * 5000, b'{"seed": ' + b"1" * 4400 + b"}"]
+)
+def test_settings_and_env_that_are_not_strict_json_damage_the_record(
+    tmp_path: Path, name: str, content: bytes
+) -> None:
+    write_events(events_path(tmp_path, 0), [EVENT])
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(EnvFileError, match="the run record is damaged") as info:
+        load_run(tmp_path)
+    assert str(tmp_path / name) in str(info.value) and "\n" not in str(info.value)

@@ -389,10 +389,16 @@ def _locate(
         if not traces:
             notes.append("locating: no op trace was written (op tracing unavailable in this build)")
             return first, notes
-        located, compare_notes = locate_in_traces(first, traces)
+        located, compare_notes, failed_ranks = locate_in_traces(first, traces)
         notes.extend(f"locating: {note}" for note in compare_notes)
         if located is not None:
             return located, notes
+        if failed_ranks:
+            ranks_text = ", ".join(map(str, failed_ranks))
+            notes.append(
+                f"locating: the op traces of rank(s) {ranks_text} could not be compared: the op is unknown"
+            )
+            return first, notes
         same = not divergences
         what = (
             f"did not diverge at step {k} (intermittent nondeterminism)"

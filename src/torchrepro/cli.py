@@ -354,18 +354,23 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     result = compare_runs(args.run_a, args.run_b)
     data = result.to_dict()
     if args.json:
-        print(json.dumps(data))
+        print(json.dumps(data, allow_nan=False))
     else:
         if result.reproducible:
             print(f"identical: {result.steps_compared} optimizer steps compared")
         else:
             print(f"NOT identical: first divergence: {_render_divergence(data['first_divergence'])}")
-            for note in result.notes:
-                print(f"  {note}")
-            if result.tensor is not None:
-                t = result.tensor
-                diff = "not stored (tensor too large)" if t.max_abs_diff is None else f"{t.max_abs_diff:.3g}"
-                print(f"  first differing tensor: #{t.leaf} {t.dtype}{t.shape}, largest |a-b|: {diff}")
+        for note in result.notes:
+            print(f"  {note}")
+        if not result.reproducible and result.tensor is not None:
+            t = result.tensor
+            if t.nonfinite:
+                diff = "not finite (NaN or infinity in one run against another value, or an overflow)"
+            elif t.max_abs_diff is None:
+                diff = "not stored (tensor too large)"
+            else:
+                diff = f"{t.max_abs_diff:.3g}"
+            print(f"  first differing tensor: #{t.leaf} {t.dtype}{t.shape}, largest |a-b|: {diff}")
         breaking = [d for d in data["env_differences"] if d.get("breaks")]
         for d in data["env_differences"]:
             mark = "!" if d.get("breaks") else " "

@@ -9,9 +9,13 @@ Invariants:
   runs did different things there (another kind or key) and the second run's event has the
   earlier step: then the divergence is that event's.
 - Records are read through ``runrecord`` (incrementally for live files: ``EventTail``).
+- The first differing tensor's largest absolute difference counts equal values (equal
+  infinities, NaN in both runs) as no difference; NaN or an infinity against another value is
+  an unbounded difference (``nonfinite``, ``max_abs_diff`` None), so every result is strict JSON.
 - A ``compute`` divergence at step k is located (op, module, line, rank) from op traces of step k
   (``trace-step<k>.rank<R>`` files, written by ``torchrepro run --trace-step k``) by one code path,
-  ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict.
+  ``locate_in_traces``, shared with ``torchrepro check``; locating never changes the verdict, and
+  traces that could not be compared are never reported as matching.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torchrepro.runrecord import RunRecord, load_run
+from torchrepro.errors import EnvFileError
+from torchrepro.runrecord import ENV_FILE, RunRecord, load_run
 
 __all__ = [
     "Comparison",
@@ -127,20 +132,27 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: 
 
 @dataclass(frozen=True)
 class TensorDifference:
-    """The first differing tensor of a diverging event; its largest absolute difference if stored."""
+    """The first differing tensor of a diverging event; its largest absolute difference if stored.
+
+    ``max_abs_diff`` is None when the values were not stored (a large tensor) or when the
+    difference is unbounded: ``nonfinite`` is then True (an element is NaN or infinite in one run
+    and another value in the other, or ``|a-b|`` overflows).
+    """
 
     leaf: int
     shape: list[int]
     dtype: str
     max_abs_diff: float | None
+    nonfinite: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
+        """JSON-able form (strict JSON: never NaN or an infinity)."""
         return {
             "leaf": self.leaf,
             "shape": self.shape,
             "dtype": self.dtype,
             "max_abs_diff": self.max_abs_diff,
+            "nonfinite": self.nonfinite,
         }
 
 
@@ -154,7 +166,8 @@ class Comparison:
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
-    """What locating the source op did or could not do (op traces missing, of another step...)."""
+    """Why the environments were not compared, and what locating the source op did or could not do
+    (op traces missing, of another step, unreadable...)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
@@ -179,17 +192,34 @@ def _env_diff_dict(d: Any) -> dict[str, Any]:
     return {k: getattr(d, k, None) for k in keys}
 
 
+def _largest_difference(va: list[float], vb: list[float]) -> float | None:
+    """The largest ``|a-b|`` over elements that differ (0.0: none); None when it is unbounded."""
+    largest = 0.0
+    for x, y in zip(va, vb, strict=True):
+        x, y = float(x), float(y)
+        if x == y or (math.isnan(x) and math.isnan(y)):  # equal, equal infinities, NaN in both
+            continue
+        d = abs(x - y)
+        if not math.isfinite(d):  # NaN or an infinity against another value, or an overflow
+            return None
+        largest = max(largest, d)
+    return largest
+
+
 def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference | None:
     """The first differing tensor leaf of two events, with its largest absolute difference if stored."""
     for i, (la, lb) in enumerate(zip(a.get("t", []), b.get("t", []), strict=False)):
         if la["fp"] == lb["fp"]:
             continue
         diff: float | None = None
+        nonfinite = False
         va, vb = la.get("v"), lb.get("v")
         if va is not None and vb is not None and len(va) == len(vb):
-            diffs = [abs(x - y) for x, y in zip(va, vb, strict=True) if not (math.isnan(x) and math.isnan(y))]
-            diff = max(diffs, default=0.0)
-        return TensorDifference(leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff)
+            diff = _largest_difference(va, vb)
+            nonfinite = diff is None
+        return TensorDifference(
+            leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff, nonfinite=nonfinite
+        )
     return None
 
 
@@ -215,17 +245,10 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
         if first.index < len(ea) and first.index < len(eb):
             tensor = tensor_difference(ea[first.index], eb[first.index])
-    env_differences: list[Any] = []
-    if a.env is not None and b.env is not None and "error" not in a.env and "error" not in b.env:
-        try:
-            from torchrepro.env import Environment, diff_env
-
-            env_differences = list(diff_env(Environment.from_dict(a.env), Environment.from_dict(b.env)))
-        except Exception:  # an unreadable environment must not hide the verdict
-            env_differences = []
-    notes: list[str] = []
+    env_differences, notes = _env_differences(a, b)
     if first is not None and first.kind == "compute":
-        first, notes = _locate_recorded(first, a, b)
+        first, locate_notes = _locate_recorded(first, a, b)
+        notes += locate_notes
     return Comparison(
         reproducible=first is None,
         steps_compared=steps_compared(cursors),
@@ -234,6 +257,28 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         tensor=tensor,
         notes=tuple(notes),
     )
+
+
+def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
+    """The environment differences of two records, or none and a note saying why not.
+
+    An environment that is missing, failed to collect or is malformed never hides the verdict.
+    """
+    if a.env is None or b.env is None:
+        return [], []  # no environment recorded (an older or hand-made record)
+    from torchrepro.env import Environment, diff_env  # imports torch: only when there is work
+
+    envs = []
+    for run in (a, b):
+        where = os.path.join(run.path, ENV_FILE)
+        assert run.env is not None
+        if "error" in run.env:
+            return [], [f"environments not compared: {where} says collecting it failed"]
+        try:
+            envs.append(Environment.from_dict(run.env))
+        except EnvFileError as exc:
+            return [], [f"environments not compared: {where} is malformed: {exc}"]
+    return list(diff_env(envs[0], envs[1])), []
 
 
 def optimizer_index(key: str | None) -> int:
@@ -266,42 +311,53 @@ def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Div
     if first.rank not in ranks:
         return first, [f"the op traces of step {k} do not cover rank {first.rank}; {hint}"]
     pairs = [(r, a.traces[k][r], b.traces[k][r]) for r in ranks]
-    located, notes = locate_in_traces(first, pairs)
-    if located is None:
+    located, notes, failed = locate_in_traces(first, pairs)
+    if located is not None:
+        return located, notes
+    if failed:
+        compared = [r for r in ranks if r not in failed]
+        matched = f"; those of rank(s) {', '.join(map(str, compared))} match" if compared else ""
         notes.append(
-            f"the op traces of step {k} match on every rank: the difference entered outside the traced ops"
+            f"the op traces of step {k} could not be compared on rank(s) {', '.join(map(str, failed))}"
+            f"{matched}: the source op is unknown; {hint}"
         )
         return first, notes
-    return located, notes
+    notes.append(
+        f"the op traces of step {k} match on every rank: the difference entered outside the traced ops"
+    )
+    return first, notes
 
 
 def locate_in_traces(
     first: Divergence, traces: Sequence[tuple[int, str | os.PathLike[str], str | os.PathLike[str]]]
-) -> tuple[Divergence | None, list[str]]:
+) -> tuple[Divergence | None, list[str], list[int]]:
     """Compare per-rank op traces ``(rank, trace_a, trace_b)`` of the step ``first`` diverged at.
 
     Returns ``first`` with ``op``, ``module``, ``location`` and ``rank`` of the source op filled
-    (None when every pair of traces matches), and notes on what went wrong or what the op did.
+    (None when no pair of traces differs), notes on what went wrong or what the op did, and the
+    ranks whose traces could not be compared (unreadable: never to be taken as matching).
     Among ranks, the source is an op that is not a collective, preferably on ``first.rank``.
     """
     from torchrepro.tracing import OpDivergence, compare_traces
 
     notes: list[str] = []
+    failed: list[int] = []
     located: list[tuple[int, OpDivergence]] = []
     for r, ta, tb in traces:
         try:
             d = compare_traces(ta, tb)
         except Exception as exc:
             notes.append(f"comparing the op traces of rank {r} failed: {type(exc).__name__}: {exc}")
+            failed.append(r)
             continue
         if d is not None:
             located.append((r, d))
     if not located:
-        return None, notes
+        return None, notes, failed
     r, d = _pick_source(located, prefer_rank=first.rank)
     if d.note:
         notes.append(f"source op {d.op}: {d.note}")
-    return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes
+    return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes, failed
 
 
 def _pick_source(located: list[tuple[int, Any]], *, prefer_rank: int) -> tuple[int, Any]:

@@ -6,7 +6,11 @@ Invariants:
   packages whose versions it reports (``importlib.metadata``), never takes git's index lock, and
   bounds every subprocess with a short timeout. A value that cannot be collected is ``None``.
 - ``Environment.to_dict()`` is plain JSON; ``Environment.from_dict`` accepts what any version
-  wrote (missing fields are ``None``, unknown fields are kept in ``extra``).
+  wrote (missing fields are ``None``, unknown fields are kept in ``extra``) and refuses, with an
+  ``EnvFileError``, anything else: a non-object, a known field of the wrong type, values that are
+  not strict JSON (NaN, infinities, nesting deeper than ``runrecord.MAX_JSON_DEPTH``...). So
+  ``load_env`` raises nothing but ``EnvFileError`` (naming the file), and ``diff_env`` of two
+  loaded environments never fails, whatever the fields nested inside them hold.
 - ``diff_env`` reports every difference, each classified once, by the table ``_RULES`` below, as
   breaking bitwise reproducibility or harmless, with the one-line reason of its class. When in
   doubt a difference is classed as breaking: a false alarm costs a look, a missed cause costs days.
@@ -19,10 +23,10 @@ import datetime
 import hashlib
 import importlib
 import importlib.metadata
-import json
 import os
 import platform
 import re
+import reprlib
 import socket
 import subprocess
 import sys
@@ -35,7 +39,7 @@ import torch
 
 from torchrepro._child.spec import ENV_PREFIX, LOCATION_VARIABLES
 from torchrepro.errors import EnvFileError
-from torchrepro.runrecord import ENV_FILE
+from torchrepro.runrecord import ENV_FILE, json_problem, parse_json
 
 __all__ = ["EnvDifference", "Environment", "collect_env", "diff_env", "load_env"]
 
@@ -223,6 +227,9 @@ class Environment:
         """Rebuild from ``to_dict()`` output; raises ``EnvFileError`` if it is not one."""
         if not isinstance(d, Mapping):
             raise EnvFileError(f"An environment must be a JSON object, got {type(d).__name__}.")
+        problem = json_problem(dict(d))
+        if problem is not None:
+            raise EnvFileError(f"An environment must be strict JSON: {problem}.")
         known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
         if not any(k in d for k in ("torch_version", "python_version", "collected_at")):
             raise EnvFileError(
@@ -266,7 +273,7 @@ def _check_field(name: str, value: Any) -> None:
     if not isinstance(value, types) or (types == (int,) and isinstance(value, bool)):
         expected = " or ".join(t.__name__ for t in types)
         raise EnvFileError(
-            f"Field {name!r} must be {expected} or null, got {type(value).__name__}: {value!r}."
+            f"Field {name!r} must be {expected} or null, got {type(value).__name__}: {reprlib.repr(value)}."
         )
 
 
@@ -629,17 +636,17 @@ def load_env(path: str | os.PathLike[str]) -> Environment:
     if p.is_dir():
         p = p / ENV_FILE
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_bytes()
     except FileNotFoundError:
         raise EnvFileError(
             f"Environment file {str(p)!r} does not exist; write one with `torchrepro env --json > FILE`."
         ) from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise EnvFileError(f"Cannot read environment file {str(p)!r}: {exc}.") from None
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise EnvFileError(f"Environment file {str(p)!r} is not valid JSON: {exc}.") from None
+        data = parse_json(text)
+    except ValueError as exc:
+        raise EnvFileError(f"Environment file {str(p)!r} is {exc}.") from None
     if isinstance(data, dict) and isinstance(data.get("env"), dict):
         data = data["env"]
     try:

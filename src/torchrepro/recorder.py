@@ -27,10 +27,9 @@ from typing import IO, Any
 
 import torch
 
-__all__ = ["EVENT_KINDS", "Recorder", "activate", "active_recorder", "record"]
+from torchrepro.runrecord import EVENT_KINDS
 
-EVENT_KINDS = ("init", "data", "compute", "record")
-"""The kinds of recorded events, in the order they can first occur in a training step."""
+__all__ = ["EVENT_KINDS", "Recorder", "activate", "active_recorder", "record"]
 
 _VALUES_MAX_DEFAULT = 64
 

@@ -12,8 +12,13 @@ A run record is a directory (``torchrepro run``: ``.torchrepro/runs/<id>/``; ``c
 - ``verdict.json``: a check's verdict, at the top of its check directory.
 
 Invariants: every other module gets these names from here; JSON files are written atomically
-(``_io``); readers name the file and what is wrong with it (``EnvFileError``), and a torn last
-events line (a killed run) is ignored. This module imports no torch.
+(``_io``). Readers trust nothing they read: anything malformed (not UTF-8, not JSON, NaN or an
+infinity outside an event's values, an integer beyond Python's digit limit, nesting deeper than
+``MAX_JSON_DEPTH``, an event of the wrong shape) is an ``EnvFileError`` naming the file (and,
+for events, the 1-based line) and what is wrong, never another exception; so every value a
+reader returns can be written back as strict JSON. Every complete events line is validated
+(``validate_event``) by both ``read_events`` and the live ``EventTail``; a torn last line (a
+killed run) is ignored. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
+import reprlib
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +44,9 @@ from torchrepro.errors import EnvFileError, LaunchError, SettingsError
 __all__ = [
     "COMMAND_FILE",
     "ENV_FILE",
+    "EVENT_KINDS",
     "LOCK_FILE",
+    "MAX_JSON_DEPTH",
     "SETTINGS_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
@@ -47,15 +57,17 @@ __all__ = [
     "RunSettings",
     "claim",
     "events_path",
+    "json_problem",
     "load_run",
     "new_run_dir",
     "new_run_id",
     "ops_path",
+    "parse_json",
     "read_events",
     "read_json",
-    "stale_traces",
     "trace_path",
     "trace_prefix",
+    "validate_event",
     "write_env",
     "write_run_files",
     "write_verdict",
@@ -71,6 +83,16 @@ TRACE_PREFIX = "trace-step"
 """Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>``."""
 LOCK_FILE = ".torchrepro-lock"
 """Held (``flock``) by the run writing a record directory; ignored when a directory is checked."""
+
+EVENT_KINDS = ("init", "data", "compute", "record")
+"""The kinds of events an events file may hold (what ``recorder.Recorder`` writes)."""
+
+MAX_JSON_DEPTH = 100
+"""The deepest nesting of arrays and objects a record or environment file may hold (torchrepro
+writes at most 4 levels); deeper is malformed, so no reader ever recurses without bound."""
+
+_MAX_INDEX = 2**63 - 1
+"""The largest step or tensor dimension an event may name (an int64, like torch's)."""
 
 _EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 _TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
@@ -123,11 +145,6 @@ def ops_path(prefix: str | os.PathLike[str], rank: int) -> Path:
 def ops_files(directory: str | os.PathLike[str]) -> list[Path]:
     """Every op recording (``ops_path``) in ``directory``, in rank order of their names."""
     return sorted(Path(directory).glob(_OPS_GLOB))
-
-
-def stale_traces(run_dir: str | os.PathLike[str]) -> list[Path]:
-    """The op traces already in ``run_dir`` (a reused record: old traces would mislead)."""
-    return sorted(p for p in Path(run_dir).glob(f"{TRACE_PREFIX}*.rank*") if _TRACE_RE.match(p.name))
 
 
 def _is_record_file(name: str) -> bool:
@@ -244,12 +261,106 @@ def write_verdict(check_dir: str | os.PathLike[str], verdict: Mapping[str, Any])
     atomic_write_json(Path(check_dir) / VERDICT_FILE, dict(verdict))
 
 
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """A JSON file's value; ``EnvFileError`` naming the file when it is unreadable or not JSON."""
+def _int(text: str) -> int:
+    limit = _int_digit_limit()
+    digits = len(text.lstrip("-"))
+    if 0 < limit < digits:
+        raise ValueError(f"an integer of {digits} digits (more than Python's limit of {limit})")
+    return int(text)
+
+
+def _int_digit_limit() -> int:
+    """Python's limit on the digits of an int converted from or to text (0: none)."""
+    get = getattr(sys, "get_int_max_str_digits", None)  # Python >= 3.10.7
+    return int(get()) if get is not None else 0
+
+
+def _is_text(value: Any) -> bool:
+    """A str that is Unicode text (a lone surrogate escape would break printing it)."""
+    if not isinstance(value, str):
+        return False
+    if value.isascii():
+        return True
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError, RecursionError) as exc:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def json_problem(value: Any, *, allow_nan: bool = False) -> str | None:
+    """What keeps ``value`` (parsed JSON, or plain data to be written as JSON) from being strict
+    JSON every reader here accepts; None when nothing does.
+
+    Problems: nesting of arrays/objects deeper than ``MAX_JSON_DEPTH``; a string or key that is not
+    Unicode text (a lone surrogate such as ``"\\ud800"``); NaN or an infinity (unless
+    ``allow_nan``); an integer beyond Python's digit limit (it could not be written back). The walk
+    is iterative, so arbitrarily deep input cannot exhaust the stack.
+    """
+    limit = _int_digit_limit()
+    big = None if limit == 0 else 10**limit
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str):
+            if not _is_text(item):
+                return f"the string {reprlib.repr(item)} is not Unicode text (a lone surrogate)"
+        elif isinstance(item, float):
+            if not allow_nan and not math.isfinite(item):
+                return f"{item} (NaN or an infinity) is not a JSON number"
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if big is not None and not -big < item < big:
+                return f"an integer of more than {limit} digits (Python's limit)"
+        elif isinstance(item, (dict, list, tuple)):
+            if depth > MAX_JSON_DEPTH:
+                return f"nested deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(item, dict):
+                stack.extend((k, depth) for k in item)
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+    return None
+
+
+def _loads(text: str | bytes) -> Any:
+    """``json.loads`` with every failure a one-line ``ValueError`` (NaN and infinities pass)."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, parse_int=_int)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ValueError(f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
+        raise ValueError(f"not valid JSON: {exc.msg} at {where}") from None
+    except ValueError as exc:  # too many digits (``_int``)
+        raise ValueError(f"not valid JSON: {exc}") from None
+
+
+def parse_json(text: str | bytes, *, allow_nan: bool = False) -> Any:
+    """Parse JSON strictly; ``ValueError`` (one line, saying what is wrong) when it is malformed:
+    not UTF-8, not JSON, or not strict JSON (``json_problem``: NaN and infinities only with
+    ``allow_nan``)."""
+    value = _loads(text)
+    problem = json_problem(value, allow_nan=allow_nan)
+    if problem is not None:
+        raise ValueError(f"not valid JSON: {problem}")
+    return value
+
+
+def read_json(path: str | os.PathLike[str]) -> Any:
+    """A JSON file's value; ``EnvFileError`` naming the file when it is unreadable or malformed
+    (``parse_json``: strict, no NaN or infinity)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise EnvFileError(f"cannot read {os.fspath(path)}: {exc}") from None
+    try:
+        return parse_json(data)
+    except ValueError as exc:
         raise EnvFileError(f"cannot read {os.fspath(path)}: {exc}") from None
 
 
@@ -260,25 +371,125 @@ def _read_object(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _show(value: Any) -> str:
+    """A short one-line description of a bad value: its JSON type and a truncated repr."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    kind = names.get(type(value), "number")
+    return f"{kind} {reprlib.repr(value)}"
+
+
+def _is_index(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_INDEX
+
+
+def _event_problem(event: Any) -> str | None:
+    """What is wrong with one parsed events line (None: a well-formed event)."""
+    if not isinstance(event, dict):
+        return f"an event must be a JSON object, got {_show(event)}"
+    for name in ("kind", "key", "step", "fp", "t"):
+        if name not in event:
+            return f"the event has no {name!r} field"
+    kind, step = event["kind"], event["step"]
+    if not isinstance(kind, str) or kind not in EVENT_KINDS:
+        return f"'kind' must be one of {', '.join(EVENT_KINDS)}, got {_show(kind)}"
+    for name in ("key", "fp"):
+        if not _is_text(event[name]):
+            return f"{name!r} must be a string of Unicode text, got {_show(event[name])}"
+    if not _is_index(step):
+        return f"'step' must be an integer from 0 to 2**63-1, got {_show(step)}"
+    leaves = event["t"]
+    if not isinstance(leaves, list):
+        return f"'t' must be an array of tensor entries, got {_show(leaves)}"
+    for i, leaf in enumerate(leaves):
+        problem = _leaf_problem(leaf)
+        if problem is not None:
+            return f"t[{i}]: {problem}"
+    return None
+
+
+def _leaf_problem(leaf: Any) -> str | None:
+    if not isinstance(leaf, dict):
+        return f"a tensor entry must be a JSON object, got {_show(leaf)}"
+    for name in ("fp", "dtype", "shape"):
+        if name not in leaf:
+            return f"the tensor entry has no {name!r} field"
+    for name in ("fp", "dtype"):
+        if not _is_text(leaf[name]):
+            return f"{name!r} must be a string of Unicode text, got {_show(leaf[name])}"
+    shape = leaf["shape"]
+    if not isinstance(shape, list) or not all(_is_index(n) for n in shape):
+        return f"'shape' must be an array of integers from 0 to 2**63-1, got {_show(shape)}"
+    if "v" in leaf:
+        values = leaf["v"]
+        if not isinstance(values, list):
+            return f"'v' must be an array of numbers, got {_show(values)}"
+        for j, x in enumerate(values):
+            if type(x) is float:
+                continue
+            if type(x) is not int:
+                return f"'v' must be an array of numbers, got {_show(x)} at v[{j}]"
+            try:
+                float(x)
+            except OverflowError:
+                return f"'v' must be an array of numbers, got an integer too large for a float at v[{j}]"
+    return None
+
+
+def validate_event(event: Any, *, path: str | os.PathLike[str], line: int) -> dict[str, Any]:
+    """``event`` (one parsed events line) if it is well formed; else ``EnvFileError`` naming the file,
+    the 1-based ``line`` and what is wrong.
+
+    A well-formed event is an object with ``kind`` (one of ``EVENT_KINDS``), ``key`` (a string),
+    ``step`` (an integer >= 0, not a boolean), ``fp`` (a string) and ``t``: an array of objects
+    with ``fp`` and ``dtype`` (strings), ``shape`` (integers >= 0) and optionally ``v`` (numbers,
+    NaN and infinities included). Other fields are kept and never read.
+    """
+    problem = _event_problem(event)
+    if problem is not None:
+        raise EnvFileError(f"cannot read events file {os.fspath(path)}, line {line}: {problem}")
+    assert isinstance(event, dict)
+    return event
+
+
+def _parse_event(raw: bytes, *, path: str | os.PathLike[str], line: int) -> dict[str, Any]:
+    try:
+        event = _loads(raw)  # recorded values may be NaN or infinite; validate_event checks the rest
+    except ValueError as exc:
+        raise EnvFileError(f"cannot read events file {os.fspath(path)}, line {line}: {exc}") from None
+    return validate_event(event, path=path, line=line)
+
+
 def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every complete event in an events file (a torn last line from a crash is ignored)."""
-    events: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break
-            events.append(json.loads(line))
-    return events
+    """Every complete event in an events file (a torn last line from a crash is ignored).
+
+    Lines holding only whitespace are skipped. ``EnvFileError`` naming the file (and the
+    1-based line) when it is unreadable or a complete line is not a well-formed event
+    (``validate_event``).
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise EnvFileError(f"cannot read events file {os.fspath(path)}: {exc}") from None
+    lines = data.split(b"\n")
+    lines.pop()  # after the last newline: empty, or a torn line still being written
+    return [_parse_event(raw, path=path, line=n) for n, raw in enumerate(lines, start=1) if raw.strip()]
 
 
 class EventTail:
-    """Reads the complete events appended to a (possibly still growing) events file."""
+    """Reads the complete events appended to a (possibly still growing) events file.
+
+    A malformed complete line raises ``EnvFileError`` (file, line, what is wrong), like
+    ``read_events``; the error is sticky: later polls raise it again until the file is rewritten.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.events: list[dict[str, Any]] = []
         self._offset = 0
         self._partial = b""
+        self._lines = 0
+        self._error: EnvFileError | None = None
 
     def poll(self) -> int:
         """Read newly completed lines; return how many events were added."""
@@ -289,19 +500,31 @@ class EventTail:
                     self.events.clear()
                     self._offset = 0
                     self._partial = b""
+                    self._lines = 0
+                    self._error = None
+                if self._error is not None:
+                    raise EnvFileError(str(self._error))
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
             return 0
+        except OSError as exc:
+            raise EnvFileError(f"cannot read events file {self.path}: {exc}") from None
         self._offset += len(data)
         data = self._partial + data
         lines = data.split(b"\n")
         self._partial = lines.pop()
         added = 0
-        for line in lines:
-            if line.strip():
-                self.events.append(json.loads(line))
-                added += 1
+        for raw in lines:
+            self._lines += 1
+            if not raw.strip():
+                continue
+            try:
+                self.events.append(_parse_event(raw, path=self.path, line=self._lines))
+            except EnvFileError as exc:
+                self._error = exc
+                raise
+            added += 1
         return added
 
 
@@ -324,16 +547,17 @@ def load_run(path: str | os.PathLike[str]) -> RunRecord:
         raise EnvFileError(f"run record not found: {os.fspath(path)!r} is not a directory")
     events: dict[int, list[dict[str, Any]]] = {}
     traces: dict[int, dict[int, str]] = {}
-    for entry in sorted(root.iterdir()):
+    try:
+        entries = sorted(root.iterdir())
+    except OSError as exc:
+        raise EnvFileError(f"cannot read run record {os.fspath(path)!r}: {exc}") from None
+    for entry in entries:
         t = _TRACE_RE.match(entry.name)
         if t:
             traces.setdefault(int(t.group(1)), {})[int(t.group(2))] = os.fspath(entry)
         m = _EVENTS_RE.match(entry.name)
         if m:
-            try:
-                events[int(m.group(1))] = read_events(entry)
-            except (OSError, ValueError) as exc:
-                raise EnvFileError(f"cannot read events file {entry}: {exc}") from None
+            events[int(m.group(1))] = read_events(entry)
     if not events:
         raise EnvFileError(
             f"{os.fspath(path)!r} holds no events.rank<R>.jsonl file: not a torchrepro run record "
