@@ -150,3 +150,37 @@ def test_control_plain_python_leaves_its_child_behind(tmp_path: Path) -> None:
         assert any("time.sleep(300)" in line for line in _alive(marker))
     finally:
         subprocess.run(["pkill", "-KILL", "-f", marker])
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_nproc_2_prints_a_few_lines_and_leaves_nothing(tmp_path: Path) -> None:
+    marker = str(tmp_path)
+    script = tmp_path / "ddp_wait.py"
+    script.write_text(
+        "import time, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        f"open({marker!r} + f'/rank{{dist.get_rank()}}.ready', 'w').close()\n"
+        "time.sleep(300)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchrepro", "run", "--nproc", "2", str(script)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(lambda: (tmp_path / "rank0.ready").exists() and (tmp_path / "rank1.ready").exists())
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGINT
+        after_start = [line for line in err.splitlines() if "torch/distributed/run.py" not in line]
+        assert len(after_start) <= 3, err  # not every rank's and the agent's tracebacks
+        assert "Traceback" not in err and "interrupted" in err
+        assert _wait_gone(marker) == []
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        subprocess.run(["pkill", "-KILL", "-f", marker])
