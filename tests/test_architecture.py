@@ -188,3 +188,17 @@ def test_using_trace_loads_tracing() -> None:
     """Control for the test above: the probe does see tracing when it is used."""
     loaded = _loaded_after("import torchrepro; torchrepro.trace")
     assert "torchrepro.tracing.tracer" in loaded
+
+
+def test_the_command_lines_parent_imports_no_torch() -> None:
+    """Parsing arguments and starting children (run, check, compare) never pays for ``import torch``."""
+    parent = "import torchrepro.cli, torchrepro.launch, torchrepro.check, torchrepro.compare"
+    loaded = _loaded_after(
+        f"{parent}; torchrepro.cli.build_parser().parse_args(['run', 'x.py'])", first="pass"
+    )
+    assert "torch" not in loaded and "numpy" not in loaded
+
+
+def test_the_parent_probe_sees_torch_when_it_is_imported() -> None:
+    """Control for the test above: a module that needs torch does load it."""
+    assert "torch" in _loaded_after("import torchrepro.recorder", first="pass")

@@ -35,3 +35,25 @@ def require_numpy(feature: str) -> Any:
 
 _UNSET: Any = object()
 _numpy: Any = _UNSET
+
+
+class _LazyModule(ModuleType):
+    """A module imported on first attribute access (for code on the CLI's torch-free path)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self.__dict__.get("_module")
+        if module is None:
+            module = importlib.import_module(self.__name__)
+            self.__dict__["_module"] = module
+        return getattr(module, attr)
+
+
+def lazy_import(name: str) -> Any:
+    """``name``'s module, imported when an attribute is first read (so importing the caller does
+    not import it). Modules on the command line's parent path use this for torch: the parent
+    process parses arguments and starts the child without paying for ``import torch``."""
+    return _LazyModule(name)

@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-
 __all__ = ["TMP_SUFFIX", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json"]
 
 TMP_SUFFIX = ".tmp-torchrepro"
@@ -101,6 +99,8 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any, *, indent: int | N
 
 def atomic_torch_save(path: str | os.PathLike[str], obj: Any) -> None:
     """``torch.save`` ``obj`` to ``path`` atomically (serialised in memory first)."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     atomic_write_bytes(path, buffer.getbuffer().tobytes())

@@ -30,14 +30,17 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from torchrepro import seeding
+from torchrepro._compat import lazy_import
 from torchrepro.errors import DeterminismError, ReproWarning, warn_once
-from torchrepro.rng import _isolated
 from torchrepro.seeding import seed_everything, validate_seed
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")  # imported on first use: the CLI parent needs only the constants
 
 __all__ = [
     "CUBLAS_CONFIGS",
@@ -290,6 +293,8 @@ def reproducible(seed: int | None, mode: str = "strict") -> Iterator[int]:
     if seed is not None:
         seed = validate_seed(seed)
     previous_seed = seeding.current_seed()
+    from torchrepro.rng import _isolated  # rng imports torch
+
     with _isolated():
         previous = set_determinism(mode)
         try:

@@ -18,11 +18,14 @@ import random
 import struct
 from _random import Random as _CRandom
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from torchrepro._compat import lazy_import, numpy_or_none
 
-from torchrepro._compat import numpy_or_none
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_import("torch")  # imported on first use: derive_seed and validate_seed need none
 
 __all__ = [
     "MAX_SEED",
