@@ -133,7 +133,14 @@ def test_stderr_tail_shows_the_whole_last_traceback(tmp_path: Path) -> None:
 
 def test_check_result_to_dict_shape() -> None:
     ok = CheckResult(reproducible=True, runs=2, steps_compared=4, first_divergence=None, check_dir="/c")
-    assert ok.to_dict() == {"reproducible": True, "runs": 2, "steps_compared": 4, "first_divergence": None}
+    assert ok.to_dict() == {
+        "reproducible": True,
+        "runs": 2,
+        "steps_compared": 4,
+        "first_divergence": None,
+        "inconclusive": False,
+        "coverage": None,
+    }
     d = Divergence(step=3, rank=1, kind="compute", op="aten.mm", module="fc", location="t.py:9")
     diverged = CheckResult(reproducible=False, runs=3, steps_compared=4, first_divergence=d, check_dir="/c")
     data = diverged.to_dict()
@@ -165,6 +172,8 @@ def test_check_result_error_only_when_set() -> None:
         "runs": 2,
         "steps_compared": 0,
         "first_divergence": None,
+        "inconclusive": False,  # a failed run is an error, not an inconclusive verdict
+        "coverage": None,
         "error": "run 2 of 2 failed with exit code 1",
     }
 

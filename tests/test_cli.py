@@ -258,6 +258,8 @@ def test_compare_json_prints_one_object(
         "runs",
         "steps_compared",
         "first_divergence",
+        "inconclusive",
+        "coverage",
         "env_differences",
         "tensor",
         "notes",

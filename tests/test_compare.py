@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 
 from torchrepro.compare import (
     Comparison,
+    Coverage,
     Divergence,
     RankCursor,
     TensorDifference,
     _pick_source,
     compare_runs,
+    coverage,
     earliest,
     first_divergence,
     locate_in_traces,
@@ -271,8 +273,18 @@ def test_identical_records_are_reproducible(tmp_path: Path) -> None:
     a = make_record(tmp_path / "a", {0: training(3), 1: training(3)}, env=ENV.to_dict())
     b = make_record(tmp_path / "b", {0: training(3), 1: training(3)}, env=ENV.to_dict())
     result = compare_runs(a, b)
-    assert result == Comparison(reproducible=True, steps_compared=3, first_divergence=None)
+    covered = Coverage(
+        per_rank={0: {"init": 1, "data": 3, "compute": 3}, 1: {"init": 1, "data": 3, "compute": 3}},
+        ranks_expected=(0, 1),
+    )
+    assert result == Comparison(reproducible=True, steps_compared=3, first_divergence=None, coverage=covered)
     data = result.to_dict()
+    assert data["coverage"] == {
+        "per_kind": {"compute": 6, "data": 6, "init": 2},
+        "per_rank": {"0": {"compute": 3, "data": 3, "init": 1}, "1": {"compute": 3, "data": 3, "init": 1}},
+        "uncovered_ranks": [],
+    }
+    assert data["inconclusive"] is False
     assert json.loads(json.dumps(data, allow_nan=False)) == data
     assert (data["reproducible"], data["runs"], data["first_divergence"], data["notes"]) == (
         True,
@@ -452,3 +464,44 @@ def test_compare_runs_refuses_a_directory_that_is_no_record(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     with pytest.raises(EnvFileError, match="no events"):
         compare_runs(a, tmp_path / "empty")
+
+
+# --- coverage: "nothing compared" is never a pass ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a_events", "b_events", "verdict", "uncovered"),
+    [
+        ({0: training(2)}, {0: training(2)}, True, []),  # steps compared: a pass
+        ({0: training(0)}, {0: training(0)}, None, [0]),  # only init: inconclusive
+        ({0: []}, {0: []}, None, [0]),  # nothing at all
+        ({0: training(2), 1: training(0)}, {0: training(2), 1: training(0)}, None, [1]),  # rank 1 idle
+        ({0: [ev(0, "record", "loss", 0)]}, {0: [ev(0, "record", "loss", 0)]}, True, []),  # a record()
+        ({0: training(0)}, {0: [ev(0, "init", "optimizer0", 0, "other")]}, False, [0]),  # init differs
+    ],
+)
+def test_a_verdict_never_claims_more_than_was_compared(
+    tmp_path: Path,
+    a_events: dict[int, list[Event]],
+    b_events: dict[int, list[Event]],
+    verdict: bool | None,
+    uncovered: list[int],
+) -> None:
+    result = compare_runs(make_record(tmp_path / "a", a_events), make_record(tmp_path / "b", b_events))
+    assert result.reproducible is verdict
+    data = result.to_dict()
+    assert data["coverage"]["uncovered_ranks"] == uncovered
+    assert data["inconclusive"] is (verdict is None)
+    assert any(n.startswith("inconclusive:") for n in result.notes) is (verdict is None)
+
+
+def test_coverage_counts_compared_events_per_rank_and_kind() -> None:
+    a, b = training(3), training(3, fps={2: "x"})  # diverges at the third compute event
+    cursor = RankCursor(0, a, b)
+    assert cursor.advance(a_done=True, b_done=True) is not None
+    covered = coverage([cursor], [0, 1])
+    assert covered.per_rank == {0: {"init": 1, "data": 3, "compute": 3}}  # the diverging one counts
+    assert covered.uncovered_ranks == (1,)  # rank 1 had no record: not covered
+    assert not covered.conclusive
+    assert "nothing beyond init compared on rank(s) 1" in covered.describe()
+    assert coverage([cursor], [0]).conclusive

@@ -26,8 +26,11 @@ from typing import IO, Any
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.compare import (
+    INCONCLUSIVE_HINT,
+    Coverage,
     Divergence,
     RankCursor,
+    coverage,
     locate_in_traces,
     optimizer_index,
     steps_compared,
@@ -65,7 +68,9 @@ class CheckResult:
     """The verdict of a check.
 
     ``reproducible`` is None when a run failed (``error`` says how, ``stderr_tail`` shows the
-    end of its output); ``notes`` say what locating did or could not do.
+    end of its output) or when the check is inconclusive (no divergence, but nothing beyond
+    ``init`` compared on some rank: ``coverage`` says what was); ``notes`` say what locating did
+    or could not do, and why a check is inconclusive.
     """
 
     reproducible: bool | None
@@ -77,6 +82,12 @@ class CheckResult:
     returncode: int | None = None
     stderr_tail: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    coverage: Coverage | None = None
+
+    @property
+    def inconclusive(self) -> bool:
+        """No divergence, but not enough was compared to call the script reproducible."""
+        return self.reproducible is None and self.error is None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``check --json`` object (with ``error`` added only when a run failed)."""
@@ -85,6 +96,8 @@ class CheckResult:
             "runs": self.runs,
             "steps_compared": self.steps_compared,
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
+            "inconclusive": self.inconclusive,
+            "coverage": None if self.coverage is None else self.coverage.to_dict(),
         }
         if self.error is not None:
             d["error"] = self.error
@@ -312,6 +325,7 @@ def check_script(
             returncode=failed.returncode,
             stderr_tail=failed.stderr_tail(),
             notes=tuple(notes),
+            coverage=coverage(cursors, range(ranks)),
         )
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
@@ -331,13 +345,19 @@ def check_script(
                 serial=serial,
             )
         notes.extend(locate_notes)
+    covered = coverage(cursors, range(ranks))
+    reproducible: bool | None = first is None
+    if first is None and not covered.conclusive:
+        reproducible = None
+        notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
     result = CheckResult(
-        reproducible=first is None,
+        reproducible=reproducible,
         runs=runs,
         steps_compared=steps_compared(cursors),
         first_divergence=first,
         check_dir=os.fspath(check_dir),
         notes=tuple(notes),
+        coverage=covered,
     )
     runrecord.write_verdict(check_dir, {**result.to_dict(), "notes": list(notes)})
     return result

@@ -1,7 +1,8 @@
 """The ``torchrepro`` command line: parse, call one library function, render, exit code.
 
 Exit codes everywhere: 0 = reproducible / OK, 1 = not reproducible / findings, 2 = usage error
-(one line on stderr, before anything is created) or the script itself failed; ``run`` passes
+(one line on stderr, before anything is created) or the script itself failed, 3 = inconclusive
+(``check``/``compare``: no difference, but nothing beyond ``init`` compared on some rank); ``run`` passes
 the script's code through, 128+N for a death by signal N (and so does an interrupted command).
 ``-m MODULE`` ends torchrepro's options as in python. With ``--json`` stdout holds exactly one
 JSON object; progress and messages go to stderr. The library never prints; only this module does.
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
+EXIT_INCONCLUSIVE = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -106,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="torchrepro",
         description="Bit-for-bit reproducible PyTorch training runs, and where and why they are not.",
         epilog="Exit codes: 0 reproducible / OK, 1 not reproducible / findings, 2 usage error or the "
-        "script failed; a script killed by signal N: 128+N.",
+        "script failed, 3 inconclusive (nothing beyond init compared on some rank); a script killed "
+        "by signal N: 128+N.",
     )
     parser.add_argument("--version", action="version", version=f"torchrepro {torchrepro.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -334,15 +337,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**verdict, "notes": list(result.notes)}, allow_nan=False))
     elif result.error is None:
-        if result.reproducible:
+        if result.inconclusive:
+            print(f"INCONCLUSIVE: {result.runs} runs did not differ, but not enough was compared to say so")
+        elif result.reproducible:
             print(f"reproducible: {result.runs} runs identical over {result.steps_compared} optimizer steps")
         else:
             d = verdict["first_divergence"]
             print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
             print(f"  ({result.steps_compared} optimizer steps compared; records in {result.check_dir})")
+        if result.coverage is not None:
+            print(f"  {result.coverage.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
     if result.error is not None:
         return EXIT_USAGE
+    if result.inconclusive:
+        return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 
@@ -356,7 +365,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, allow_nan=False))
     else:
-        if result.reproducible:
+        if result.reproducible is None:
+            print("INCONCLUSIVE: the runs did not differ, but not enough was compared to say so")
+        elif result.reproducible:
             print(f"identical: {result.steps_compared} optimizer steps compared")
         else:
             print(f"NOT identical: first divergence: {_render_divergence(data['first_divergence'])}")
@@ -379,6 +390,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             print("  environments: no difference recorded")
         elif breaking:
             print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
+        if result.coverage is not None:
+            print(f"  {result.coverage.describe()}")
+    if result.reproducible is None:
+        return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
 
 

@@ -31,9 +31,11 @@ from torchrepro.runrecord import ENV_FILE, RunRecord, load_run
 
 __all__ = [
     "Comparison",
+    "Coverage",
     "Divergence",
     "RankCursor",
     "compare_runs",
+    "coverage",
     "first_divergence",
     "locate_in_traces",
 ]
@@ -84,6 +86,8 @@ class RankCursor:
         self.position = 0
         self.divergence: Divergence | None = None
         self.max_step_compared = -1
+        self.compared: dict[str, int] = {}
+        """Events compared so far, per kind (the diverging one included)."""
 
     def advance(self, *, a_done: bool = False, b_done: bool = False) -> Divergence | None:
         """Compare every event both sides now have; with ``*_done`` a missing event diverges."""
@@ -92,6 +96,7 @@ class RankCursor:
             has_a, has_b = i < len(self.a), i < len(self.b)
             if has_a and has_b:
                 ea, eb = self.a[i], self.b[i]
+                self.compared[ea["kind"]] = self.compared.get(ea["kind"], 0) + 1
                 if not _same(ea, eb):
                     self.divergence = _divergence(ea, eb, self.rank, i)
                     if ea["kind"] == "compute":
@@ -160,9 +165,11 @@ class TensorDifference:
 class Comparison:
     """The verdict of comparing two runs, with the environment differences that may explain it."""
 
-    reproducible: bool
+    reproducible: bool | None
     steps_compared: int
     first_divergence: Divergence | None
+    coverage: Coverage | None = None
+    """What was compared; ``reproducible`` is None (inconclusive) when it is not conclusive."""
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
@@ -176,6 +183,8 @@ class Comparison:
             "runs": 2,
             "steps_compared": self.steps_compared,
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
+            "inconclusive": self.reproducible is None,
+            "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "env_differences": [_env_diff_dict(d) for d in self.env_differences],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
             "notes": list(self.notes),
@@ -223,6 +232,79 @@ def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference 
     return None
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """What a comparison covered: events compared per rank and kind, and the ranks with none.
+
+    A verdict of "identical" is conclusive only when something beyond ``init`` was compared
+    (a batch, an optimizer step or a recorded value) and every rank was covered: a script that
+    updates weights without ``torch.optim``, or a rank that wrote no record, is not a pass.
+    """
+
+    per_rank: dict[int, dict[str, int]]
+    ranks_expected: tuple[int, ...]
+
+    @property
+    def per_kind(self) -> dict[str, int]:
+        """Events compared per kind, summed over ranks."""
+        total: dict[str, int] = {}
+        for counts in self.per_rank.values():
+            for kind, n in counts.items():
+                total[kind] = total.get(kind, 0) + n
+        return {kind: total[kind] for kind in sorted(total)}
+
+    @property
+    def uncovered_ranks(self) -> tuple[int, ...]:
+        """Expected ranks where nothing beyond ``init`` was compared (no record, or no training)."""
+        return tuple(
+            r
+            for r in self.ranks_expected
+            if not any(n for kind, n in self.per_rank.get(r, {}).items() if kind != "init")
+        )
+
+    @property
+    def conclusive(self) -> bool:
+        """Whether an "identical" verdict may be claimed from what was compared."""
+        return bool(self.ranks_expected) and not self.uncovered_ranks
+
+    def describe(self) -> str:
+        """One line for people: what was compared, and what was not."""
+        counts = self.per_kind
+        parts = [f"{counts.get(kind, 0)} {kind}" for kind in ("init", "data", "compute", "record")]
+        text = "events compared: " + ", ".join(parts)
+        if len(self.ranks_expected) > 1:
+            text += f" over ranks {', '.join(map(str, self.ranks_expected))}"
+        if self.uncovered_ranks:
+            text += "; nothing beyond init compared on rank(s) " + ", ".join(map(str, self.uncovered_ranks))
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ``{"per_kind": {...}, "per_rank": {"0": {...}}, "uncovered_ranks": [...]}``."""
+        return {
+            "per_kind": self.per_kind,
+            "per_rank": {str(r): dict(sorted(c.items())) for r, c in sorted(self.per_rank.items())},
+            "uncovered_ranks": list(self.uncovered_ranks),
+        }
+
+
+def coverage(cursors: Sequence[RankCursor], ranks_expected: Sequence[int]) -> Coverage:
+    """The coverage of a comparison: events compared per rank (summed over the compared run pairs)."""
+    per_rank: dict[int, dict[str, int]] = {}
+    for cursor in cursors:
+        counts = per_rank.setdefault(cursor.rank, {})
+        for kind, n in cursor.compared.items():
+            counts[kind] = counts.get(kind, 0) + n
+    return Coverage(per_rank=per_rank, ranks_expected=tuple(sorted(ranks_expected)))
+
+
+INCONCLUSIVE_HINT = (
+    "nothing that changes during training was compared: the script took no optimizer step, "
+    "read no DataLoader batch and recorded no value (a hand-written update loop or a custom "
+    "optimizer that is not a torch.optim.Optimizer is not seen yet); call "
+    "torchrepro.record(name, value) on what should be reproducible, e.g. the final weights"
+)
+
+
 def steps_compared(cursors: list[RankCursor]) -> int:
     """Optimizer steps compared: the highest compute step index reached on any rank, plus one."""
     return max((c.max_step_compared for c in cursors), default=-1) + 1
@@ -249,10 +331,16 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
     if first is not None and first.kind == "compute":
         first, locate_notes = _locate_recorded(first, a, b)
         notes += locate_notes
+    covered = coverage(cursors, sorted(set(a.events) | set(b.events)))
+    reproducible: bool | None = first is None
+    if first is None and not covered.conclusive:
+        reproducible = None
+        notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
     return Comparison(
-        reproducible=first is None,
+        reproducible=reproducible,
         steps_compared=steps_compared(cursors),
         first_divergence=first,
+        coverage=covered,
         env_differences=env_differences,
         tensor=tensor,
         notes=tuple(notes),

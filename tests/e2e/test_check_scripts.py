@@ -47,6 +47,12 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
         "runs": 2,
         "steps_compared": 4,
         "first_divergence": None,
+        "inconclusive": False,
+        "coverage": {
+            "per_kind": {"compute": 4, "data": 4, "init": 1},
+            "per_rank": {"0": {"compute": 4, "data": 4, "init": 1}},
+            "uncovered_ranks": [],
+        },
         "notes": [],
     }
 
@@ -138,3 +144,19 @@ def test_a_missing_script_is_exit_2_naming_it(tmp_path: Path) -> None:
 def test_steps_stops_every_run_after_n_optimizer_steps_also_serially(tmp_path: Path, n: int) -> None:
     code, verdict, err = check(tmp_path, "--serial", "--steps", str(n), script("unseeded.py"))
     assert (code, verdict["steps_compared"]) == (0, n), err
+
+
+def test_nothing_compared_is_inconclusive_never_reproducible(tmp_path: Path) -> None:
+    """A hand-written update loop records no step: exit 3 and the coverage, not "reproducible"."""
+    code, verdict, err = check(tmp_path, script("manual_sgd.py"))
+    assert code == 3, err
+    assert verdict["reproducible"] is None and verdict["inconclusive"] is True
+    assert verdict["steps_compared"] == 0 and verdict["coverage"]["uncovered_ranks"] == [0]
+    assert any(note.startswith("inconclusive:") for note in verdict["notes"])
+    # the weights really differ between runs that draw different seeds: a pass would be false
+    code, verdict, err = check(tmp_path, script("manual_sgd.py"), "--unseeded")
+    assert code == 3 and verdict["reproducible"] is None, err
+    # control: the same loop through torch.optim is compared step by step and passes
+    code, verdict, err = check(tmp_path, script("manual_sgd.py"), "--optim")
+    assert (code, verdict["reproducible"], verdict["inconclusive"]) == (0, True, False), err
+    assert verdict["coverage"]["per_kind"] == {"compute": 5, "init": 1}
