@@ -140,6 +140,7 @@ def test_check_result_to_dict_shape() -> None:
         "first_divergence": None,
         "inconclusive": False,
         "coverage": None,
+        "notes": [],
     }
     d = Divergence(step=3, rank=1, kind="compute", op="aten.mm", module="fc", location="t.py:9")
     diverged = CheckResult(reproducible=False, runs=3, steps_compared=4, first_divergence=d, check_dir="/c")
@@ -174,6 +175,7 @@ def test_check_result_error_only_when_set() -> None:
         "first_divergence": None,
         "inconclusive": False,  # a failed run is an error, not an inconclusive verdict
         "coverage": None,
+        "notes": [],
         "error": "run 2 of 2 failed with exit code 1",
     }
 

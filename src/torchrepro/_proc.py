@@ -15,7 +15,7 @@ import os
 import signal
 import time
 
-__all__ = ["descendants", "exit_code", "kill_tree"]
+__all__ = ["children", "descendants", "exit_code", "kill_tree"]
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -31,6 +31,11 @@ def _children_map() -> dict[int, list[int]]:
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
         children.setdefault(ppid, []).append(int(entry))
     return children
+
+
+def children(pid: int) -> list[int]:
+    """The live direct children of ``pid``, from ``/proc``; empty elsewhere."""
+    return _children_map().get(pid, [])
 
 
 def descendants(pid: int) -> list[int]:

@@ -90,7 +90,7 @@ class CheckResult:
         return self.reproducible is None and self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``check --json`` object (with ``error`` added only when a run failed)."""
+        """The ``check --json`` object and ``verdict.json`` (``error`` only when a run failed)."""
         d: dict[str, Any] = {
             "reproducible": self.reproducible,
             "runs": self.runs,
@@ -98,6 +98,7 @@ class CheckResult:
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "inconclusive": self.inconclusive,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
+            "notes": list(self.notes),
         }
         if self.error is not None:
             d["error"] = self.error
@@ -359,7 +360,7 @@ def check_script(
         notes=tuple(notes),
         coverage=covered,
     )
-    runrecord.write_verdict(check_dir, {**result.to_dict(), "notes": list(notes)})
+    runrecord.write_verdict(check_dir, result.to_dict())
     return result
 
 

@@ -335,7 +335,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"torchrepro check: {note}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**verdict, "notes": list(result.notes)}, allow_nan=False))
+        print(json.dumps(verdict, allow_nan=False))
     elif result.error is None:
         if result.inconclusive:
             print(f"INCONCLUSIVE: {result.runs} runs did not differ, but not enough was compared to say so")

@@ -67,11 +67,7 @@ class _Session:
     def __init__(self, spec: ChildSpec, script: str | None) -> None:
         self.rank = _rank()
         self.spec = spec
-        self.max_steps = spec.max_steps
-        self.trace_step = spec.trace_step
-        self.trace_out = spec.trace_out
-        self.trace_optimizer = spec.trace_optimizer
-        self.ops_out = spec.ops_out
+        self.trace_out = spec.trace_out  # None once tracing turned out to be unavailable
         self.tracer: Any = None
         self.ops_recorder: Any = None
         self.recorder: Recorder | None = None
@@ -107,7 +103,7 @@ class _Session:
                 print(f"torchrepro bootstrap: op tracing failed: {exc}", file=sys.stderr)
 
     def start_ops(self) -> None:
-        if not self.ops_out:
+        if not self.spec.ops_out:
             return
         try:
             from torchrepro.tracing import OpRecorder
@@ -120,29 +116,30 @@ class _Session:
 
     def finish_ops(self) -> None:
         rec, self.ops_recorder = self.ops_recorder, None
-        if rec is None or not self.ops_out:
+        ops_out = self.spec.ops_out
+        if rec is None or not ops_out:
             return
         from torchrepro._io import atomic_write_json
 
         try:
             events = rec.stop()
-            atomic_write_json(runrecord.ops_path(self.ops_out, self.rank), [e.to_dict() for e in events])
+            atomic_write_json(runrecord.ops_path(ops_out, self.rank), [e.to_dict() for e in events])
         except Exception as exc:
             print(f"torchrepro bootstrap: writing the op record failed: {exc}", file=sys.stderr)
 
     # --- hooks ---
     def on_init(self, opt: torch.optim.Optimizer, index: int) -> None:
-        if self.trace_step == 0 and index == self.trace_optimizer:
+        if self.spec.trace_step == 0 and index == self.spec.trace_optimizer:
             self._start_tracer()
 
     def on_step(self, opt: torch.optim.Optimizer, index: int, step: int) -> None:
         self.steps[index] = step + 1
-        if self.trace_step is not None and index == self.trace_optimizer:
-            if step == self.trace_step - 1:
+        if self.spec.trace_step is not None and index == self.spec.trace_optimizer:
+            if step == self.spec.trace_step - 1:
                 self._start_tracer()
-            elif step == self.trace_step:
+            elif step == self.spec.trace_step:
                 self._stop_tracer()
-        if self.max_steps is not None and min(self.steps.values()) >= self.max_steps:
+        if self.spec.max_steps is not None and min(self.steps.values()) >= self.spec.max_steps:
             raise _MaxStepsReached(0)
 
     def close(self) -> None:

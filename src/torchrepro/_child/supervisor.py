@@ -24,7 +24,7 @@ import subprocess
 import sys
 from typing import Any
 
-from torchrepro._proc import descendants, exit_code, kill_tree
+from torchrepro._proc import children, exit_code, kill_tree
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -40,7 +40,7 @@ def _prctl(option: int, value: int) -> bool:
 
 def _end_tree() -> None:
     """Stop and kill everything below this process, then reap it."""
-    for child in descendants(os.getpid()):
+    for child in children(os.getpid()):  # orphans below us are reparented to us: children too
         kill_tree(child)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] != 0:
