@@ -3,8 +3,11 @@
     python train.py run KIND:WORKERS:DIR [...]        train from scratch, checkpoints every 4 steps
     python train.py resume KIND:WORKERS:CHECKPOINT:DIR [...]   resume from CHECKPOINT
 
+also under ``torchrun --nproc_per_node 2`` (each process its shard).
+
 KIND is ``repro`` (TorchreproTrainer) or ``stock`` (transformers.Trainer). Each run writes
-``DIR/final.pt`` (the model's state dict). 44 samples, batch 4, accumulation 2: 11 batches and
+``DIR/final.pt`` (the model's state dict) and, for ``repro``, ``DIR/batches.rank<R>.pt`` (the
+inputs of epoch 1 of the train loader, on each process). 44 samples, batch 4, accumulation 2: 11 batches and
 6 optimizer steps per epoch (the last with one batch), 2 epochs, 12 steps. The dataset draws a
 random augmentation from the global torch RNG in ``__getitem__`` and the model has dropout, so the
 data order, the augmentation and the model's RNG stream all show in the weights.
@@ -20,35 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import transformers
-from torch import nn
-from torch.nn import functional as F
+from noisy import Net, Noisy
 
 from torchrepro.integrations.transformers import TorchreproTrainer
-
-
-class Noisy(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    def __init__(self, n: int = 44) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = self.x.sum(1) + 0.1 * torch.randn(n, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[i] + 0.3 * torch.randn(8), "labels": self.y[i]}
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(8, 16)
-        self.drop = nn.Dropout(0.3)
-        self.l2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = self.l2(self.drop(torch.relu(self.l1(x)))).squeeze(-1)
-        return {"loss": F.mse_loss(out, labels)}
 
 
 def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
@@ -72,7 +49,13 @@ def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
     cls: Any = TorchreproTrainer if kind == "repro" else transformers.Trainer
     trainer = cls(model=model, args=args, train_dataset=Noisy())
     trainer.train(resume_from_checkpoint=checkpoint)
-    torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    rank = trainer.args.process_index
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    if kind == "repro":  # epoch 1 of the train loader the Trainer iterates, on this process
+        loader = trainer.get_train_dataloader()
+        loader.set_epoch(1)
+        torch.save([batch["x"] for batch in loader], os.path.join(out, f"batches.rank{rank}.pt"))
 
 
 def main(argv: list[str]) -> None:
