@@ -128,9 +128,8 @@ def test_a_missing_framework_names_the_extra_to_install(missing: str) -> None:
     [
         ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='random'"),
         ({"dataloader_in_order": False}, "dataloader_in_order=True"),
-        ({"accelerator_config": {"dispatch_batches": True}}, "{'dispatch_batches': False}"),
     ],
-    ids=["group_by_length", "in_order", "dispatch_batches"],
+    ids=["group_by_length", "in_order"],
 )
 def test_settings_a_seeded_loader_cannot_honour_are_refused_with_the_fix(
     tmp_path: Path, rng_changes_ok: None, setting: dict[str, object], fix: str
@@ -172,9 +171,8 @@ def test_the_train_loader_yields_the_seeded_loaders_batches(runs: Path, workers:
 
 @pytest.mark.slow
 def test_two_processes_each_get_their_shard_and_resume_exactly(tmp_path: Path) -> None:
-    """Under torchrun, accelerate wraps the loader's batches for per-process sharding; the mixin
-    makes that a pass-through (the SeededLoader shards itself) and sets the resumed epoch, which
-    the loader rebuilt by skip_first_batches does not forward on several processes."""
+    """Under torchrun the SeededLoader shards by torch.distributed's rank, and the resumed epoch is
+    set from the Trainer's step counter (the loader skip_first_batches rebuilds has no set_epoch)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     for args in (
         ["run", f"repro:0:{tmp_path / 'full'}"],  # 6 batches, 3 steps an epoch on each process

@@ -4,7 +4,9 @@ Invariants:
 - The train loader is a ``torchrepro.SeededLoader`` over the Trainer's train dataset and collator,
   built from ``TrainingArguments`` (batch size, workers, ``drop_last``, pin memory...) and seeded
   with ``args.data_seed``, or ``args.seed`` when it is ``None`` (the Trainer's own rule for data
-  order). It goes through ``accelerator.prepare`` like the stock loader.
+  order). Unlike the stock loader it is not passed to ``accelerator.prepare``: on several
+  processes accelerate would shard its batches again (the loader shards itself, following
+  ``torch.distributed``); the Trainer moves each batch to its device itself.
 - Resume is the Trainer's own: its step counters, ``skip_first_batches`` (which skips by batch
   index through the loader's sampler: no skipped sample is loaded) and its ``rng_state*.pth``,
   restored after the first batches of the resumed epoch are fetched. The epoch of every pass is
@@ -87,8 +89,7 @@ class TorchreproTrainerMixin(_TrainerBase):
 
     Settings the loader cannot honour are refused with the setting to change:
     ``train_sampling_strategy`` other than ``"random"``/``"sequential"``,
-    ``dataloader_in_order=False``, and ``accelerator_config`` with ``dispatch_batches=True`` (or
-    ``split_batches=True`` on several processes). Evaluation loaders are the Trainer's own.
+    and ``dataloader_in_order=False``. Evaluation loaders are the Trainer's own.
     Determinism switches are left alone: call ``torchrepro.set_determinism("strict")`` at the top
     of the script, or start it with ``torchrepro run``.
     """
@@ -99,7 +100,7 @@ class TorchreproTrainerMixin(_TrainerBase):
         self.add_callback(_SeededEpochs(self))
 
     def get_train_dataloader(self) -> Any:
-        """The train loader: a ``SeededLoader`` prepared by the Trainer's ``Accelerator``."""
+        """The train loader: a ``SeededLoader`` (not passed to ``accelerator.prepare``)."""
         if self.train_dataset is None:
             return super().get_train_dataloader()  # the Trainer's own error
         args = self.args
@@ -124,9 +125,7 @@ class TorchreproTrainerMixin(_TrainerBase):
             multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
         )
         self.seeded_train_loader = loader
-        prepared = self.accelerator.prepare(loader)
-        _unshard(prepared, loader)
-        return prepared
+        return loader
 
     @staticmethod
     def _check_settings(args: Any) -> bool:
@@ -146,38 +145,7 @@ class TorchreproTrainerMixin(_TrainerBase):
                 "TorchreproTrainer needs TrainingArguments(dataloader_in_order=True): with False, "
                 "batches arrive in the order workers finish them, which depends on timing."
             )
-        config = args.accelerator_config
-        if getattr(config, "dispatch_batches", None):
-            raise LoaderConfigError(
-                "TorchreproTrainer needs accelerator_config dispatch_batches=False (or unset): with "
-                "dispatch_batches=True the main process loads every process's batches and splits "
-                "them, while a SeededLoader loads each process's own shard. Pass "
-                "TrainingArguments(accelerator_config={'dispatch_batches': False})."
-            )
-        if getattr(config, "split_batches", False) and args.world_size > 1:
-            raise LoaderConfigError(
-                "TorchreproTrainer needs accelerator_config split_batches=False on several processes: "
-                "a SeededLoader gives each process whole batches of its own shard. Pass "
-                "TrainingArguments(accelerator_config={'split_batches': False}) and set "
-                "per_device_train_batch_size to the per-process batch size."
-            )
         return _SAMPLING[strategy]
-
-
-def _unshard(prepared: Any, loader: SeededLoader) -> None:
-    """Make accelerate's per-process batch sharding a pass-through: the loader shards itself.
-
-    On several processes ``accelerator.prepare`` wraps the batch sampler in a ``BatchSamplerShard``
-    that would give this process every n-th batch of its already sharded batches, and pad the last
-    batch with the first samples; with one process, all batches in order and the last one as is.
-    (The Trainer does the same for its own rank-aware ``BatchRebalanceSampler``.)
-    """
-    shard_type = importlib.import_module("accelerate.data_loader").BatchSamplerShard
-    batch_sampler = getattr(prepared, "batch_sampler", None)
-    if isinstance(batch_sampler, shard_type) and batch_sampler.batch_sampler is loader.batch_sampler:
-        batch_sampler.num_processes = 1
-        batch_sampler.process_index = 0
-        batch_sampler.even_batches = False
 
 
 class TorchreproTrainer(TorchreproTrainerMixin, transformers.Trainer):
