@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -30,30 +31,39 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _run(*args: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, *args], env=_env(), capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0, f"{args}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
+def _run_together(*commands: list[str]) -> None:
+    """Run the script once per argument list, all at the same time; each must succeed."""
+    procs = [
+        (
+            args,
+            subprocess.Popen(
+                [sys.executable, SCRIPT, *args], env=_env(), stdout=PIPE, stderr=PIPE, text=True
+            ),
+        )
+        for args in commands
+    ]
+    for args, proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{args}\nstdout:\n{out[-3000:]}\nstderr:\n{err[-6000:]}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``<kind><workers>``: trained from scratch; ``<kind>-resume<step>``: resumed in a new process."""
     root = tmp_path_factory.mktemp("hf")
-    _run(
-        "run",
+    _run_together(
         *(
-            f"{kind}:{workers}:{root / f'{kind}{workers}'}"
+            ["run", f"{kind}:0:{root / f'{kind}0'}", f"{kind}:2:{root / f'{kind}2'}"]
             for kind in ("repro", "stock")
-            for workers in (0, 2)
-        ),
+        )
     )
-    _run(
-        "resume",
-        f"repro:0:{root / 'repro0' / 'checkpoint-4'}:{root / 'repro-resume4'}",
-        f"repro:0:{root / 'repro0' / 'checkpoint-8'}:{root / 'repro-resume8'}",
-        f"stock:0:{root / 'stock0' / 'checkpoint-8'}:{root / 'stock-resume8'}",
+    _run_together(
+        [
+            "resume",
+            f"repro:0:{root / 'repro0' / 'checkpoint-4'}:{root / 'repro-resume4'}",
+            f"repro:0:{root / 'repro0' / 'checkpoint-8'}:{root / 'repro-resume8'}",
+        ],
+        ["resume", f"stock:0:{root / 'stock0' / 'checkpoint-8'}:{root / 'stock-resume8'}"],
     )
     return root
 
