@@ -355,6 +355,10 @@ def test_strict_mode_does_not_import_inductor_but_inductor_still_compiles_determ
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["False True True", "False False"]
     # the stock path imports it: the control that shows the check above can fail
-    stock = "import sys, torch\ntorch.use_deterministic_algorithms(True)\nprint('torch._inductor' in sys.modules)"
-    control = subprocess.run([sys.executable, "-c", stock], env=env, capture_output=True, text=True, check=True)
+    stock = (
+        "import sys, torch\ntorch.use_deterministic_algorithms(True)\nprint('torch._inductor' in sys.modules)"
+    )
+    control = subprocess.run(
+        [sys.executable, "-c", stock], env=env, capture_output=True, text=True, check=True
+    )
     assert control.stdout.strip() == "True"
