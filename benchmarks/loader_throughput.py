@@ -7,7 +7,9 @@ Workers are persistent and warmed up, so the figures are steady-state samples pe
 Prints samples/s of both, the ratio SeededLoader / DataLoader of the medians, the same ratio
 in CPU time (main process + persistent workers, read from /proc: competing processes disturb it
 less than wall time), what the per-sample seeding calls cost on their own (the floor of the
-overhead: the issue requires seeding three global RNGs per sample) and the ratio that floor
+overhead: the key, plus seeding torch's RNG and those the dataset draws from, here NumPy's;
+SeededLoader stops seeding Python's per sample once a process sees the dataset never draws from
+it, and checks after every batch) and the ratio that floor
 alone allows (ceiling).
 
     python benchmarks/loader_throughput.py [--samples 4096] [--batch-size 64] [--repeats 11]
@@ -79,17 +81,20 @@ def one_pass(loader: Any) -> tuple[float, float]:
 
 def seeding_cost_us() -> dict[str, float]:
     """CPU microseconds per sample of each per-sample seeding call (best of several runs)."""
-    from torchrepro.data import _CRandom, _Deriver, _global_seeder
+    from torchrepro.data import _Deriver
+    from torchrepro.seeding import NUMPY_RNG, TORCH_RNG, _CRandom, sample_seeder
 
     derive = _Deriver(0, ("sample", 0), 3)
-    seed_globals = _global_seeder(np)
+    seed_globals = sample_seeder(np)
+    seed_drawn = sample_seeder(np, NUMPY_RNG | TORCH_RNG)  # what this dataset draws from
     c_seed = _CRandom.seed.__get__(random._inst)  # type: ignore[attr-defined]
     calls = {
         "key": lambda i: derive.one(i),
         "python": lambda i: c_seed(i * 0x9E3779B97F4A7C15),
         "numpy": lambda i: np.random.seed(i),
         "torch": lambda i: torch.default_generator.manual_seed(i),
-        "together": lambda i: seed_globals(derive.one(i)),
+        "all three": lambda i: seed_globals(derive.one(i)),
+        "together": lambda i: seed_drawn(derive.one(i)),
     }
     state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     best = {}

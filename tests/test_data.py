@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchrepro
 from torchrepro import DataLoaderStateError, ReproError, SeededLoader, derive_seed, sample_rng
+from torchrepro import data as data_module
 from torchrepro.data import LoaderConfigError, UnsupportedDatasetError, _Deriver
 
 many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -571,6 +572,13 @@ def test_set_epoch_keeps_a_restored_position_and_starts_other_epochs() -> None:
     other.set_epoch(0)  # another epoch than the restored one starts that epoch
     assert order(other) == epoch0
 
+    # Only a restored position is kept: a pass left early (a peek at one batch, an evaluation
+    # capped at a few batches) restarts with set_epoch, as with DistributedSampler.
+    peeked = SeededLoader(list(range(20)), batch_size=4, seed=1)
+    next(iter(peeked))
+    peeked.set_epoch(0)
+    assert order(peeked) == epoch0
+
 
 def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_its_empty_rest() -> None:
     def loop(loader: SeededLoader, epochs: int, stop: tuple[int, int] | None = None) -> list[str]:
@@ -660,6 +668,17 @@ def test_a_plain_dataloader_rebuilt_from_its_parts_keeps_its_batches(
     got = passes(plain, epochs=3)  # each pass of the rebuilt loader advances the epoch by itself
     assert same(got, reference)
     assert loader.epoch == 2 and loader.state_dict()["finished"] is True
+    # Without workers, the position of a rebuilt loader's pass is what the loop received.
+    if num_workers == 0:
+        sampler_loader = SeededLoader(Indexed(), batch_size=4, seed=5)
+        for i, _ in enumerate(rebuilt(sampler_loader)):
+            if i == 2:
+                break
+        state = sampler_loader.state_dict()
+        assert (state["epoch"], state["batches_consumed"], state["finished"]) == (0, 3, False)
+        resumed = SeededLoader(Indexed(), batch_size=4, seed=5)
+        resumed.load_state_dict(state)
+        assert same(passes(resumed, epochs=1), reference[3:5])
     # set_epoch through the sampler (what accelerate's and the HF Trainer's set_epoch call)
     sampler: Any = plain.batch_sampler.sampler  # type: ignore[union-attr]
     sampler.set_epoch(1)
@@ -691,3 +710,50 @@ def test_a_seededloader_rebuilt_from_its_attributes_keeps_its_batches() -> None:
     )
     assert again.seed == 5 and again.source_dataset is original.source_dataset
     assert same(passes(again), reference)
+
+
+# -- lazily seeded globals: only the RNGs a dataset draws from, never a different result -------
+
+
+class Sometimes(Dataset[torch.Tensor]):
+    """Draws from NumPy only from index 12 on and from Python's random only for odd indices
+    (a process learns, from the first batches, that the dataset does not draw from them)."""
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        a = float(np.random.rand()) if index >= 12 else -1.0
+        b = random.random() if index % 2 else -1.0
+        return torch.tensor([float(index), a, b], dtype=torch.float64)
+
+
+def expected_sometimes(seed: int, epoch: int, index: int) -> list[float]:
+    """What a sample is when every global RNG is seeded from its key, computed by hand."""
+    key = derive_seed(seed, "sample", epoch, index)
+    np.random.seed(key >> 32)
+    random.seed(key)
+    a = float(np.random.rand()) if index >= 12 else -1.0
+    b = random.random() if index % 2 else -1.0
+    return [float(index), a, b]
+
+
+@pytest.mark.parametrize("config", [{"num_workers": 0}, {"num_workers": 2, "persistent_workers": True}])
+def test_lazily_seeded_globals_give_every_sample_its_keyed_draws(
+    config: dict[str, Any], rng_changes_ok: None
+) -> None:
+    loader = SeededLoader(Sometimes(), batch_size=4, seed=11, shuffle=False, **config)
+    for epoch in range(2):
+        for batch in loader:
+            for row in batch.tolist():
+                assert row == expected_sometimes(11, epoch, int(row[0])), (epoch, row)
+
+
+def test_lazy_seeding_is_load_bearing(monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None) -> None:
+    """Negative control: without the check after each batch (nothing seen drawn), the samples
+    that draw from an RNG the process stopped seeding get draws that are not theirs."""
+    monkeypatch.setattr(data_module, "_changed", lambda which, before, np: 0)
+    loader = SeededLoader(Sometimes(), batch_size=4, seed=11, shuffle=False)
+    rows = [row for batch in loader for row in batch.tolist()]
+    wrong = [row for row in rows if row != expected_sometimes(11, 0, int(row[0]))]
+    assert wrong and all(row[0] >= 12 or row[0] % 2 for row in wrong)

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import random
@@ -39,7 +40,17 @@ from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import numpy_or_none, require_numpy
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
-from torchrepro.seeding import _PERSON, _encode_key, current_seed, derive_seed, sample_seeder, validate_seed
+from torchrepro.seeding import (
+    _PERSON,
+    NUMPY_RNG,
+    PYTHON_RNG,
+    TORCH_RNG,
+    _encode_key,
+    current_seed,
+    derive_seed,
+    sample_seeder,
+    validate_seed,
+)
 
 __all__ = ["LoaderConfigError", "SeededLoader", "UnsupportedDatasetError", "sample_rng"]
 
@@ -207,14 +218,15 @@ def _reseed_object(obj: object, s: int, np: Any) -> None:
 # Order, sharding and the position (the sampler owns it, so rebuilt loaders keep it).
 
 
-class _SampleKey(tuple):  # type: ignore[type-arg]
-    """``(epoch, batch_index, index)``: what the sampler yields and the seeding dataset loads.
+# A sampled key: (epoch, batch index within the epoch, dataset index, _KEY_MARK). A plain tuple
+# (pickled to workers at a seventh of a tuple subclass's cost), told apart from a tuple the user
+# indexes loader.dataset with by its length and its last element.
+_SampleKey = tuple[int, int, int, int]
+_KEY_MARK: Final = 0x7E5707D5EED
 
-    A type of its own, so that a plain tuple the user indexes ``loader.dataset`` with is passed
-    to their dataset unchanged.
-    """
 
-    __slots__ = ()
+def _is_key(key: object) -> bool:
+    return type(key) is tuple and len(key) == 4 and key[3] == _KEY_MARK
 
 
 def _current_shard(fixed: tuple[int, int] | None) -> tuple[int, int]:
@@ -227,7 +239,7 @@ def _current_shard(fixed: tuple[int, int] | None) -> tuple[int, int]:
 
 
 class _SeededSampler(DistributedSampler[_SampleKey]):
-    """Yields the ``_SampleKey``s of this rank's shard of one epoch, and holds the position.
+    """Yields the sample keys of this rank's shard of one epoch, and holds the position.
 
     A ``DistributedSampler`` (frameworks that replace a loader's sampler with a distributed one,
     such as Lightning's ``use_distributed_sampler``, keep it: it already shards by rank, padded
@@ -265,6 +277,7 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
         self.batches = 0
         self.finished = False
         self.pending = True
+        self.restored = False  # the position came from load_state_dict; no pass has started since
         self.armed = False
         self.pass_id: object = object()
 
@@ -324,16 +337,18 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
         """Start a pass: the next epoch unless a position is pending; returns its first batch."""
         if not self.pending:
             self.epoch, self.batches, self.finished = self.epoch + 1, 0, False
-        self.pending = False
+        self.pending = self.restored = False
         self.pass_id = object()
         return self.batches
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``; the position is kept if it is in that unfinished epoch."""
+        """Make the next pass epoch ``epoch``, from its first batch; a position restored by
+        ``load_state_dict`` inside epoch ``epoch`` (no pass started since) is kept instead."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
-        if epoch != self.epoch or self.finished:
+        if not (self.restored and epoch == self.epoch):
             self.epoch, self.batches, self.finished = epoch, 0, False
+            self.restored = False
         self.pending = True
         self.armed = False
         self.pass_id = object()
@@ -356,9 +371,12 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
             end -= end % batch_size
         for pos in range(start * batch_size, end):
             batch = pos // batch_size
-            if not own and pos % batch_size == 0 and self.pass_id is pass_id:
-                self.batches = batch  # a rebuilt loader's pass: the batches handed out so far
-            yield _SampleKey((epoch, batch, indices[pos]))
+            if not own and (pos + 1) % batch_size == 0 and self.pass_id is pass_id:
+                # A rebuilt loader's pass: the batches handed out whole (this key completes one,
+                # which is loaded as soon as it is taken). Without workers that is what the loop
+                # received; with workers it is ahead by what they prefetched.
+                self.batches = batch + 1
+            yield (epoch, batch, indices[pos], _KEY_MARK)
         if not own and self.pass_id is pass_id:
             self.batches, self.finished = self.num_batches(), True
 
@@ -391,6 +409,75 @@ def _refuse_resharding() -> None:
 # The dataset the DataLoader machinery sees (also inside workers): seeds, loads, collates.
 
 
+class _Watch:
+    """Which global RNGs (``seeding.*_RNG`` bits) a dataset draws from, as one process saw it."""
+
+    __slots__ = ("available", "drawn", "seeded")
+
+    def __init__(self) -> None:
+        # torch's RNG is always seeded per sample (2 us): datasets read torch.initial_seed()
+        # without drawing (to seed something else), which no check after the batch could see.
+        self.available = PYTHON_RNG | NUMPY_RNG if _numpy() is not None else PYTHON_RNG
+        self.seeded = self.available  # seeded per sample
+        self.drawn = 0  # seen drawn from: seeded per sample for good
+
+    def __getstate__(self) -> tuple[int, int, int]:
+        return self.available, self.drawn, self.seeded
+
+    def __setstate__(self, state: tuple[int, int, int]) -> None:
+        self.available, self.drawn, self.seeded = state
+
+
+class _NumpyMT:
+    """Reads the position and first word of NumPy's global Mersenne Twister in place (ctypes),
+    about 100x cheaper than ``np.random.get_state()``; any draw after seeding changes them."""
+
+    def __init__(self) -> None:
+        self.bit_generator: Any = None
+        self.words: Any = None
+
+    def token(self, np: Any) -> Any:
+        bit_generator = np.random.mtrand._rand._bit_generator
+        if bit_generator is not self.bit_generator:
+            self.bit_generator, self.words = bit_generator, None
+            try:  # numpy's mt19937_state: uint32 key[624], then int pos
+                address = bit_generator.ctypes.state_address
+                if type(bit_generator).__name__ == "MT19937" and isinstance(address, int):
+                    self.words = (ctypes.c_uint32 * 625).from_address(address)
+            except (AttributeError, TypeError, ValueError):
+                self.words = None
+        words = self.words
+        if words is None:
+            state = np.random.get_state()
+            return (int(state[2]), state[1].tobytes(), state[3])
+        return (words[624], words[0], words[623])
+
+
+_numpy_mt = _NumpyMT()
+
+
+def _rng_tokens(which: int, np: Any) -> tuple[Any, Any, Any]:
+    """Something that changes whenever the global RNGs in ``which`` are drawn from."""
+    return (
+        random.getstate() if which & PYTHON_RNG else None,
+        _numpy_mt.token(np) if which & NUMPY_RNG else None,
+        torch.default_generator.get_state() if which & TORCH_RNG else None,
+    )
+
+
+def _changed(which: int, before: tuple[Any, Any, Any], np: Any) -> int:
+    """The RNGs in ``which`` whose state differs from the tokens ``before``."""
+    now = _rng_tokens(which, np)
+    changed = 0
+    if which & PYTHON_RNG and now[0] != before[0]:
+        changed |= PYTHON_RNG
+    if which & NUMPY_RNG and now[1] != before[1]:
+        changed |= NUMPY_RNG
+    if which & TORCH_RNG and not torch.equal(now[2], before[2]):
+        changed |= TORCH_RNG
+    return changed
+
+
 class _Collated:
     """A batch already collated by ``_SeededDataset.__getitems__`` (unwrapped by ``_SeededCollate``)."""
 
@@ -418,7 +505,7 @@ class _SeededCollate:
 class _SeededDataset(Dataset[Any]):
     """The user's dataset as a ``SeededLoader`` loads it: ``loader.dataset``.
 
-    ``__getitems__`` loads a batch of ``_SampleKey``s, each sample seeded, and collates it seeded;
+    ``__getitems__`` loads a batch of sample keys, each sample seeded, and collates it seeded;
     any other index (an int the user passes) goes to the user's dataset unchanged, and so does
     every attribute it does not define (``loader.dataset.classes``, ``len(loader.dataset)``).
     Because the seeding lives here, a framework that rebuilds a plain ``DataLoader`` from a
@@ -438,6 +525,7 @@ class _SeededDataset(Dataset[Any]):
         self._tr_rng_paths = rng_paths
         self._tr_batched = callable(getattr(dataset, "__getitems__", None))
         self._tr_derivers: tuple[int, _Deriver, _Deriver, _Deriver | None] | None = None
+        self._tr_watch = _Watch()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names this object lacks. Private and dunder names are never forwarded
@@ -474,17 +562,82 @@ class _SeededDataset(Dataset[Any]):
         return cached[1], cached[2], cached[3]
 
     def __getitem__(self, key: Any) -> Any:
-        if type(key) is not _SampleKey:
+        if not _is_key(key):
             return self._tr_source[key]
         return self._load([key]).value
 
     def __getitems__(self, keys: Sequence[Any]) -> Any:
-        if not keys or type(keys[0]) is not _SampleKey:  # plain indices: the user's dataset, unseeded
+        if not keys or not _is_key(keys[0]):  # plain indices: the user's dataset, unseeded
             source = self._tr_source
             if self._tr_batched:
                 return source.__getitems__(keys)
             return [source[key] for key in keys]
         return self._load(keys)
+
+    def _load_samples(
+        self, indices: list[int], seeds: list[int], batch_seed: int, object_seed: _Deriver | None, np: Any
+    ) -> list[Any]:
+        """Load ``dataset[i]`` for each index, every global RNG it draws from seeded per sample;
+        on return every global RNG is in the state seeding it with ``batch_seed`` gives (what
+        ``collate_fn`` runs with).
+
+        Seeding the three global RNGs for every sample costs more than many datasets spend
+        loading it, and most draw from one or two. So torch's RNG (cheap to seed) and those of
+        Python and NumPy this process has seen the dataset draw from are seeded per sample (all
+        of them at first). The others are seeded
+        once, with the batch seed, and checked after the batch: if the batch drew from one, the
+        batch is loaded again with that RNG seeded per sample too (at most once per RNG and
+        process). Either way every delivered sample saw exactly the draws it sees when all
+        three are seeded per sample: the result never depends on what a process learned.
+        An RNG drops out of the per-sample set when the last sample of a batch left it untouched.
+        """
+        dataset, active, watch = self._tr_source, _active, self._tr_watch
+        last = len(indices) - 1
+        tokens: Any = None
+        while True:
+            seeded = watch.seeded & watch.available
+            unseeded = watch.available & ~seeded
+            learning = seeded & ~watch.drawn
+            before = None
+            if unseeded:
+                sample_seeder(np, unseeded)(batch_seed)
+                before = _rng_tokens(unseeded, np)
+            seed_globals = sample_seeder(np, seeded | TORCH_RNG)
+            samples: list[Any] = []
+            append = samples.append
+            # The last sample apart: before it, the learning RNGs' states are taken.
+            head = zip(indices[:last], seeds[:last], strict=True) if learning else ()
+            for index, s in zip(indices, seeds, strict=True) if not learning else head:
+                seed_globals(s)
+                active.seed, active.rng = s, None
+                if object_seed is not None:
+                    self._reseed_objects(index, object_seed, np)
+                append(dataset[index])
+            if learning:
+                index, s = indices[last], seeds[last]
+                seed_globals(s)
+                tokens = _rng_tokens(learning, np)
+                active.seed, active.rng = s, None
+                if object_seed is not None:
+                    self._reseed_objects(index, object_seed, np)
+                append(dataset[index])
+            if before is not None:
+                disturbed = _changed(unseeded, before, np)
+                if disturbed:  # the batch drew from an RNG that was not seeded per sample: again
+                    watch.seeded |= disturbed
+                    watch.drawn |= disturbed
+                    continue
+            if learning:
+                used = _changed(learning, tokens, np)
+                watch.drawn |= used
+                watch.seeded &= ~(learning & ~used)
+            seed_globals(batch_seed)
+            return samples
+
+    def _reseed_objects(self, index: int, object_seed: _Deriver, np: Any) -> None:
+        dataset = self._tr_source
+        for path in self._tr_rng_paths:
+            _reseed_object(_resolve(dataset, path), object_seed(index, _path_key(path)), np)
 
     def _load(self, keys: Sequence[_SampleKey]) -> _Collated:
         np = _numpy()
@@ -500,29 +653,23 @@ class _SeededDataset(Dataset[Any]):
         try:
             epoch, batch_index = keys[0][0], keys[0][1]
             sample_seed, batch_seed, object_seed = self._derivers_for(epoch)
-            seed_globals = sample_seeder(np)
-            dataset = self._tr_source
             if self._tr_batched:  # the dataset loads whole batches: seed per batch instead
+                seed_globals = sample_seeder(np)
                 s = batch_seed.one(batch_index)
                 seed_globals(s)
                 active.seed, active.rng = s, None
-                samples = dataset.__getitems__([key[2] for key in keys])
+                samples = self._tr_source.__getitems__([key[2] for key in keys])
+                seed_globals(s)  # collate_fn runs seeded from the batch key too
+                active.seed, active.rng = s, None
             else:
-                samples = []
                 # Keys first, in one tight loop: interleaved with the samples (which evict the
                 # caches) each derivation costs several times more.
                 indices = [key[2] for key in keys]
                 one = sample_seed.one
-                for index, s in zip(indices, [one(index) for index in indices], strict=True):
-                    seed_globals(s)
-                    active.seed, active.rng = s, None
-                    if object_seed is not None:
-                        for path in self._tr_rng_paths:
-                            _reseed_object(_resolve(dataset, path), object_seed(index, _path_key(path)), np)
-                    samples.append(dataset[index])
-            s = batch_seed.one(batch_index)
-            seed_globals(s)
-            active.seed, active.rng = s, None
+                seeds = [one(index) for index in indices]
+                s = batch_seed.one(batch_index)
+                samples = self._load_samples(indices, seeds, s, object_seed, np)
+                active.seed, active.rng = s, None
             return _Collated(self._tr_collate_fn(samples))
         finally:
             active.seed, active.rng = outer
@@ -795,12 +942,13 @@ class SeededLoader(DataLoader[Any]):
         return self._seeded_sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``.
+        """Make the next pass epoch ``epoch``, from its first batch.
 
-        If the loader is positioned inside that epoch (restored by ``load_state_dict``, or a pass
-        left early), the position is kept: ``for epoch in range(start, E): loader.set_epoch(epoch)``
-        after a restore continues right after the last received batch. Any other epoch, or one
-        whose pass has ended, starts from its first batch.
+        After ``load_state_dict`` restored a position inside epoch ``epoch`` (and before a pass
+        started), the position is kept: ``for epoch in range(start, E): loader.set_epoch(epoch)``
+        after a restore continues right after the last received batch. Otherwise (another epoch,
+        a pass left early, a pass that ended) the epoch starts from its first batch, as with
+        ``DistributedSampler``.
         """
         self._seeded_sampler.set_epoch(epoch)
 
@@ -896,4 +1044,4 @@ class SeededLoader(DataLoader[Any]):
         # the code after the loop's inner `for` runs once, as it did in the saved run.
         sampler = self._seeded_sampler
         sampler.epoch, sampler.batches, sampler.finished = epoch, batches, False
-        sampler.pending, sampler.armed, sampler.pass_id = True, False, object()
+        sampler.pending, sampler.restored, sampler.armed, sampler.pass_id = True, True, False, object()

@@ -143,8 +143,14 @@ def current_seed() -> int | None:
     return _current_seed
 
 
-def sample_seeder(np: Any) -> Callable[[int], None]:
-    """A function seeding Python, NumPy's global RNG and torch's CPU RNG from one 64-bit seed.
+PYTHON_RNG, NUMPY_RNG, TORCH_RNG = 1, 2, 4
+"""Bits naming the global RNGs ``sample_seeder`` seeds (Python ``random``, NumPy, torch CPU)."""
+ALL_RNGS = PYTHON_RNG | NUMPY_RNG | TORCH_RNG
+
+
+def sample_seeder(np: Any, which: int = ALL_RNGS) -> Callable[[int], None]:
+    """A function seeding Python, NumPy's global RNG and torch's CPU RNG (those named in the bit
+    mask ``which``) from one 64-bit seed.
 
     The per-sample seeder of ``SeededLoader`` (``np``: the NumPy module or None), resolved once
     per batch, called per sample. The cheapest call per library:
@@ -155,9 +161,16 @@ def sample_seeder(np: Any) -> Callable[[int], None]:
     ``gauss_next = None``: for the stock module-level generator the checks are skipped (the same
     state, ~1 us less per sample); a patched ``random.seed`` is called as it is.
     """
+    torch_seed = torch.default_generator.manual_seed if which & TORCH_RNG else _no_numpy
+    np_seed = np.random.seed if np is not None and which & NUMPY_RNG else _no_numpy
+    if not which & PYTHON_RNG:
+
+        def seed_some(s: int) -> None:
+            np_seed(s >> 32)
+            torch_seed(s)
+
+        return seed_some
     inst: Any = getattr(random, "_inst", None)
-    torch_seed = torch.default_generator.manual_seed
-    np_seed = np.random.seed if np is not None else _no_numpy
     if type(inst) is random.Random and getattr(random.seed, "__self__", None) is inst:
         generator: Any = inst
         c_seed = _CRandom.seed.__get__(generator)
@@ -180,4 +193,4 @@ def sample_seeder(np: Any) -> Callable[[int], None]:
 
 
 def _no_numpy(word: int) -> None:
-    pass
+    """Seeds nothing (an RNG left out of the mask, or NumPy not installed)."""
