@@ -29,7 +29,9 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# The shared fixture runs ~270 resumes (about a minute of CPU): more than the default 300 s on a
+# machine loaded by other work must not kill it half-way.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCRIPTS = Path(__file__).resolve().parent / "loop_scripts"
 SHAPES = ("auto", "set_epoch", "after_loop", "for_else", "sched_step", "sched_epoch", "accum2")

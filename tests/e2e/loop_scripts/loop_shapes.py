@@ -18,7 +18,8 @@ compares every resumed final state (parameters, gradients, optimizer, scheduler,
 the epoch-end history and the counters) with the uninterrupted one, ``torch.equal`` on every
 tensor, and answers one JSON line per job: the checkpoints and, for each, the first differences.
 
-Loop shapes (3 epochs of 5 batches, the last batch of each epoch partial):
+Loop shapes (3 epochs of 5 batches, the last batch of each epoch partial; with ``num_workers=2``
+the auto-advancing shapes keep their workers, ``persistent_workers=True``):
 
 - ``auto``: ``for epoch in range(start, E): for batch in loader`` (the loader advances its epochs).
 - ``set_epoch``: the same with ``loader.set_epoch(epoch)`` first (the usual distributed loop).
@@ -45,6 +46,7 @@ import itertools
 import json
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -65,6 +67,7 @@ SEED = 1234
 EPOCHS = 3
 N_TRAIN, N_VAL, BATCH = 18, 8, 4  # 5 training batches per epoch (the last of 2), 2 validation
 FOR_ELSE_MAX_STEPS = 13  # the for/else shape breaks out in the middle of its third epoch
+CHILD_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True)
@@ -73,15 +76,16 @@ class Shape:
     epoch_end: str  # "none", "after" (code after the inner loop) or "else" (for/else + break)
     scheduler: str  # "none", "step" (after every optimizer step) or "epoch" (after each epoch)
     accum: int = 1  # batches per optimizer step
+    persistent: bool = False  # persistent_workers=True when num_workers > 0
 
 
 SHAPES = {
-    "auto": Shape(set_epoch=False, epoch_end="none", scheduler="none"),
+    "auto": Shape(set_epoch=False, epoch_end="none", scheduler="none", persistent=True),
     "set_epoch": Shape(set_epoch=True, epoch_end="none", scheduler="none"),
     "after_loop": Shape(set_epoch=True, epoch_end="after", scheduler="none"),
-    "for_else": Shape(set_epoch=False, epoch_end="else", scheduler="none"),
+    "for_else": Shape(set_epoch=False, epoch_end="else", scheduler="none", persistent=True),
     "sched_step": Shape(set_epoch=True, epoch_end="none", scheduler="step"),
-    "sched_epoch": Shape(set_epoch=False, epoch_end="after", scheduler="epoch"),
+    "sched_epoch": Shape(set_epoch=False, epoch_end="after", scheduler="epoch", persistent=True),
     "accum2": Shape(set_epoch=True, epoch_end="none", scheduler="step", accum=2),
 }
 LOADERS = ("seeded", "plain")
@@ -153,7 +157,9 @@ def train(job: Job, *, save: Saver | None, resume: Path | None, scramble: Scramb
     shape = SHAPES[job.shape]
     seeded = job.loader == "seeded"
     torchrepro.seed_everything(SEED)
-    context = {"multiprocessing_context": "fork"} if job.workers else {}
+    context: dict[str, Any] = {}
+    if job.workers:
+        context = {"multiprocessing_context": "fork", "persistent_workers": shape.persistent}
     train_data = Augmented(N_TRAIN, offset=0, seeded=seeded)
     loader: Any
     if seeded:
@@ -371,6 +377,7 @@ def in_child(work: Callable[[], None], log: Path) -> int:
     if pid == 0:
         code = 1
         try:
+            signal.alarm(CHILD_TIMEOUT_S)  # a hung child dies (SIGALRM) instead of hanging the test
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
