@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import random
 from collections.abc import Iterator
@@ -97,3 +98,11 @@ def _guard_global_state(request: pytest.FixtureRequest) -> Iterator[None]:
 # Scripts the tests run in subprocesses are not test modules: --doctest-modules must not import
 # them (several exit or train at import time).
 collect_ignore_glob = ["tests/*scripts/*.py"]
+
+# The integrations import their framework; `make test` installs every framework, but a bare
+# install of the package (without the extras) must still collect the doctests of the rest.
+collect_ignore = [
+    f"src/torchrepro/integrations/{module}.py"
+    for module, framework in (("lightning", "lightning"), ("transformers", "transformers"))
+    if importlib.util.find_spec(framework) is None
+]
