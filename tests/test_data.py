@@ -757,3 +757,33 @@ def test_lazy_seeding_is_load_bearing(monkeypatch: pytest.MonkeyPatch, rng_chang
     rows = [row for batch in loader for row in batch.tolist()]
     wrong = [row for row in rows if row != expected_sometimes(11, 0, int(row[0]))]
     assert wrong and all(row[0] >= 12 or row[0] % 2 for row in wrong)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_between_iter_and_first_batch_or_after_it(num_workers: int) -> None:
+    """Frameworks (Lightning) create the iterator, then call set_epoch, possibly after their
+    first fetch: the epoch set before the first batch decides the pass, and a set_epoch of the
+    same epoch during a pass leaves that pass counting."""
+    make = lambda: SeededLoader(list(range(12)), batch_size=4, seed=4, num_workers=num_workers)  # noqa: E731
+    reference = make()
+    epochs = [order(reference) for _ in range(3)]
+
+    loader = make()
+    it = iter(loader)
+    loader.set_epoch(2)  # before the first batch: the pass is epoch 2 (workers start at iter())
+    assert [int(i) for batch in it for i in batch] == epochs[2]
+
+    live = make()
+    it = iter(live)
+    first = [int(i) for i in next(it)]
+    live.set_epoch(0)  # during the pass, same epoch: it goes on counting
+    rest = [int(i) for batch in it for i in batch]
+    assert first + rest == epochs[0]
+    assert (live.state_dict()["batches_consumed"], live.state_dict()["finished"]) == (3, True)
+
+    restored = make()
+    state = {**live.state_dict(), "batches_consumed": 1, "finished": False}
+    restored.load_state_dict(state)
+    it = iter(restored)
+    restored.set_epoch(0)  # the restored epoch: continue after the restored batch
+    assert [int(i) for batch in it for i in batch] == epochs[0][4:]

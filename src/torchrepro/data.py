@@ -278,6 +278,7 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
         self.finished = False
         self.pending = True
         self.restored = False  # the position came from load_state_dict; no pass has started since
+        self.restart = False  # set_epoch(current epoch) during a pass: the next pass restarts it
         self.armed = False
         self.pass_id: object = object()
 
@@ -334,22 +335,34 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
     # -- position ---------------------------------------------------------------------------
 
     def begin_pass(self) -> int:
-        """Start a pass: the next epoch unless a position is pending; returns its first batch."""
-        if not self.pending:
+        """Start a pass: the next epoch unless a position is pending (or the current epoch again
+        after ``set_epoch`` during a pass); returns its first batch."""
+        if self.restart:
+            self.batches, self.finished = 0, False
+        elif not self.pending:
             self.epoch, self.batches, self.finished = self.epoch + 1, 0, False
-        self.pending = self.restored = False
+        self.pending = self.restored = self.restart = False
         self.pass_id = object()
         return self.batches
 
+    def end_pass(self) -> None:
+        self.finished, self.restart = True, False
+
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``, from its first batch; a position restored by
-        ``load_state_dict`` inside epoch ``epoch`` (no pass started since) is kept instead."""
+        """Make the next pass epoch ``epoch``, from its first batch. Two exceptions keep a position:
+        a position ``load_state_dict`` restored inside epoch ``epoch`` (no pass started since) is
+        continued, and a pass of epoch ``epoch`` under way goes on counting (frameworks call
+        ``set_epoch`` after their first fetch); a pass started after it restarts the epoch."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
+        if epoch == self.epoch and not self.pending and not self.finished:
+            self.restart = True  # under way: leave it; the next pass starts this epoch again
+            return
         if not (self.restored and epoch == self.epoch):
             self.epoch, self.batches, self.finished = epoch, 0, False
             self.restored = False
         self.pending = True
+        self.restart = False
         self.armed = False
         self.pass_id = object()
 
@@ -378,7 +391,8 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
                 self.batches = batch + 1
             yield (epoch, batch, indices[pos], _KEY_MARK)
         if not own and self.pass_id is pass_id:
-            self.batches, self.finished = self.num_batches(), True
+            self.batches = self.num_batches()
+            self.end_pass()
 
     def __len__(self) -> int:
         return self.num_samples
@@ -750,25 +764,41 @@ def _fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | 
 
 
 class _SeededLoaderIter:
-    """One pass of a ``SeededLoader``: counts the batches the training loop receives."""
+    """One pass of a ``SeededLoader``: counts the batches the training loop receives.
 
-    def __init__(self, sampler: _SeededSampler, inner: Iterator[Any], start: int, end: int) -> None:
-        self._sampler = sampler
-        self._inner = inner
-        self._pass_id = sampler.pass_id
-        self._received = start
-        self._end = end
+    The pass starts at the first ``next()``, not at ``iter()``: frameworks create the iterator
+    and then call ``set_epoch``, which must still decide the pass's epoch (with workers, the
+    DataLoader hands out sample keys as soon as its iterator exists).
+    """
+
+    def __init__(self, loader: SeededLoader) -> None:
+        self._loader = loader
+        self._sampler = loader._seeded_sampler
+        self._inner: Iterator[Any] | None = None
+        self._pass_id: object = None
+        self._received = 0
 
     def __iter__(self) -> _SeededLoaderIter:
         return self
 
+    def _begin(self) -> Iterator[Any]:
+        loader, sampler = self._loader, self._sampler
+        self._received = sampler.begin_pass()
+        self._pass_id = sampler.pass_id
+        sampler.armed = True
+        assert loader.generator is not None
+        loader.generator.manual_seed(derive_seed(loader.seed, "workers", sampler.epoch))
+        self._inner = inner = DataLoader.__iter__(loader)
+        return inner
+
     def __next__(self) -> Any:
+        inner = self._inner if self._inner is not None else self._begin()
         sampler = self._sampler
         try:
-            batch = next(self._inner)
+            batch = next(inner)
         except StopIteration:
             if sampler.pass_id is self._pass_id:
-                sampler.finished = True
+                sampler.end_pass()
             raise
         self._received += 1
         if sampler.pass_id is self._pass_id:  # unless a later pass, set_epoch or load_state_dict
@@ -776,7 +806,11 @@ class _SeededLoaderIter:
         return batch
 
     def __len__(self) -> int:
-        return max(self._end - self._received, 0)
+        if self._inner is None:
+            sampler = self._sampler
+            start = 0 if not sampler.pending or sampler.restart else sampler.batches
+            return max(len(self._loader) - start, 0)
+        return max(len(self._loader) - self._received, 0)
 
 
 class SeededLoader(DataLoader[Any]):
@@ -953,12 +987,7 @@ class SeededLoader(DataLoader[Any]):
         self._seeded_sampler.set_epoch(epoch)
 
     def __iter__(self) -> _SeededLoaderIter:  # type: ignore[override]
-        sampler = self._seeded_sampler
-        start = sampler.begin_pass()
-        sampler.armed = True
-        assert self.generator is not None
-        self.generator.manual_seed(derive_seed(self._seed, "workers", sampler.epoch))
-        return _SeededLoaderIter(sampler, super().__iter__(), start, len(self))
+        return _SeededLoaderIter(self)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -1045,3 +1074,4 @@ class SeededLoader(DataLoader[Any]):
         sampler = self._seeded_sampler
         sampler.epoch, sampler.batches, sampler.finished = epoch, batches, False
         sampler.pending, sampler.restored, sampler.armed, sampler.pass_id = True, True, False, object()
+        sampler.restart = False
