@@ -95,5 +95,6 @@ def _guard_global_state(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 # Scripts the tests run in subprocesses are not test modules: --doctest-modules must not import
-# them (several exit or train at import time).
-collect_ignore_glob = ["tests/*scripts/*.py"]
+# them (several exit or train at import time). The integrations hold no doctests and import their
+# framework (an optional extra, slow to import): their tests live in tests/integrations/.
+collect_ignore_glob = ["tests/*scripts/*.py", "src/torchrepro/integrations/*.py"]

@@ -1,7 +1,7 @@
 """A tiny Lightning fit (dropout, a dataset drawing noise per sample) that can kill itself and resume.
 
 Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers N] [--epochs N]
-       [--every N] [--kill-at STEP] [--resume CKPT]
+       [--every N] [--kill-at STEP] [--resume CKPT] [--no-distributed-sampler]
 
 - ``torchrepro``: ``TorchreproCallback`` and a ``SeededLoader``; ``stock``: no callback, a plain
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
@@ -58,6 +58,7 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        torch.rand(self.global_rank + 1)  # ranks' streams differ: restoring another rank's state shows
         return nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -99,6 +100,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--no-distributed-sampler", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=PossibleUserWarning)  # few workers, few batches
     torch.set_num_threads(1)
@@ -126,6 +128,7 @@ def main(argv: list[str]) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=1,
+        use_distributed_sampler=not args.no_distributed_sampler,
     )
     trainer.fit(model, ckpt_path=args.resume)
     if trainer.is_global_zero:
