@@ -36,6 +36,7 @@ TRAIN = SCRIPTS / "train.py"
 # 32 samples, batches of 4: 8 batches an epoch on 1 process, 4 per rank on 2 ranks.
 SINGLE = ["--epochs", "2", "--every", "5"]  # checkpoints at steps 5, 10, 15
 SINGLE_KILL, SINGLE_CKPT = 12, "epoch=1-step=10.ckpt"  # last.ckpt: epoch 1 after 2 of 8 batches
+EPOCH_END = ["--epochs", "2", "--every", "8", "--kill-at", "10"]  # last.ckpt: epoch 0's last batch
 DDP = ["--devices", "2", "--epochs", "2", "--every", "3"]  # checkpoints at steps 3, 6
 DDP_KILL, DDP_CKPT = 7, "epoch=1-step=6.ckpt"  # last.ckpt: epoch 1 after 2 of 4 batches
 TIMEOUT = 240
@@ -101,11 +102,11 @@ class Runner:
         )
         self.pending: dict[str, tuple[Run, list[int]]] = {}
 
-    def start_fresh(self, name: str, *argv: str) -> Run:
+    def start_fresh(self, name: str, *argv: str, launcher: tuple[str, ...] = ()) -> Run:
         run = Run(name, self.base / name, [self.base / f"{name}.log"])
         with open(run.logs[0], "wb") as log:
             self.fresh[name] = subprocess.Popen(
-                [sys.executable, str(TRAIN), str(run.out), *argv],
+                [sys.executable, *launcher, str(TRAIN), str(run.out), *argv],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=_env(),
@@ -184,16 +185,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         # Wave 1: the uninterrupted references as fresh interpreters, the first half of the rest.
         r["full"] = runner.start_fresh("full", *SINGLE)
         r["ddp_full"] = runner.start_fresh("ddp_full", *DDP)
+        run_seed = ("-m", "torchrepro", "run", "--seed", "3", "--mode", "warn")
+        r["under_run"] = runner.start_fresh("under_run", "--epochs", "1", "--every", "4", launcher=run_seed)
         r["kill"] = runner.start("kill", *SINGLE, "--workers", "2", "--kill-at", str(SINGLE_KILL))
+        r["kill_epoch_end"] = runner.start("kill_epoch_end", *EPOCH_END, "--workers", "2")
         r["stock_full"] = runner.start("stock_full", *SINGLE, "--variant", "stock")
         stock = [*SINGLE, "--variant", "stock"]
         r["stock_kill"] = runner.start("stock_kill", *stock, "--kill-at", str(SINGLE_KILL))
         r["ddp_kill"] = runner.start("ddp_kill", *DDP, "--kill-at", str(DDP_KILL), ranks=2)
         r["ddp_stock_full"] = runner.start("ddp_stock_full", *DDP, "--variant", "stock", ranks=2)
-        runner.wait(r["kill"], r["stock_full"], r["stock_kill"], r["ddp_kill"], r["ddp_stock_full"])
+        runner.wait(*(run for run in r.values() if run.name not in runner.fresh))
         # Wave 2: the resumes.
         last = r["kill"].out / "ckpt" / "last.ckpt"
         r["resume"] = runner.start("resume", *SINGLE, "--workers", "2", "--resume", str(last))
+        epoch_end_last = str(r["kill_epoch_end"].out / "ckpt" / "last.ckpt")
+        r["resume_epoch_end"] = runner.start(
+            "resume_epoch_end", *EPOCH_END[:4], "--workers", "2", "--resume", epoch_end_last
+        )
         stripped = base / "stripped" / "last.ckpt"
         if last.exists():
             _strip_rng_state(last, stripped)
@@ -213,7 +221,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
             ranks=2,
         )
         runner.wait(*(run for run in r.values() if not run.codes and run.name not in runner.fresh))
-        runner.wait(r["full"], r["ddp_full"])
+        runner.wait(r["full"], r["ddp_full"], r["under_run"])
         yield r
     finally:
         runner.close()
@@ -235,6 +243,14 @@ def test_single_killed_mid_epoch_and_resumed_equals_uninterrupted(runs: dict[str
     assert state["world_size"] == 1 and len(state["rng"]) == 1
     # The uninterrupted run loads with num_workers=0, the killed and resumed ones with 2.
     assert _same(runs["resume"].final(), runs["full"].final()), runs["resume"].text()
+
+
+def test_single_checkpoint_at_an_epochs_last_batch_resumes_exactly(runs: dict[str, Run]) -> None:
+    """Lightning validates right after that checkpoint and, resumed, skips it: validation must not
+    move the training streams. Checkpointing every 8 steps instead of 5 changes nothing either."""
+    _killed(runs["kill_epoch_end"])
+    assert runs["kill_epoch_end"].ckpt()["global_step"] == 8
+    assert _same(runs["resume_epoch_end"].final(), runs["full"].final()), runs["resume_epoch_end"].text()
 
 
 def test_single_resumed_without_rng_state_differs(runs: dict[str, Run]) -> None:
@@ -277,6 +293,17 @@ def test_ddp_checkpoint_resumed_on_one_process_is_refused(runs: dict[str, Run]) 
     run = runs["ddp_on_one"]
     assert run.codes and run.codes[0] != 0
     assert "holds the RNG states of 2 rank(s), but this run has 1" in run.text(), run.text()
+
+
+# -- under `torchrepro run` ------------------------------------------------------------------
+
+
+def test_under_torchrepro_run_the_runs_settings_are_kept(runs: dict[str, Run]) -> None:
+    """``TorchreproCallback(seed=0, mode="strict")`` under ``torchrepro run --seed 3 --mode warn``."""
+    run = runs["under_run"]
+    assert run.ok(), run.text()
+    assert "`torchrepro run --seed 3 --mode warn`: the run's seed and mode are kept" in run.text()
+    assert (run.out / "mode.txt").read_text() == "warn"
 
 
 # -- imports -----------------------------------------------------------------------------------

@@ -8,9 +8,15 @@ Invariants:
   is only checked, a rank the framework started itself gets the run's seed and mode.
 - Every checkpoint Lightning writes holds every rank's ``RngState`` (gathered on all ranks, so
   whichever rank writes has them all), as plain data that ``torch.load(weights_only=True)``
-  reads. ``trainer.fit(ckpt_path=...)`` restores this rank's state in ``on_train_start``: after
-  Lightning restored the model and loops, built and positioned the dataloaders and ran every
-  setup hook, and before the first resumed batch is fetched.
+  reads. ``trainer.fit(ckpt_path=...)`` restores this rank's state in the first
+  ``on_train_batch_start``: after everything Lightning does on a restore (set-up hooks, building
+  and positioning the dataloaders, creating the iterator of a validation pass it skips, which
+  draws from torch's global RNG) and after the batch is fetched (a ``SeededLoader`` leaves the
+  global streams as they were), so the first resumed step draws what the uninterrupted run drew.
+- During ``fit``, validation (and the sanity check) never moves the RNG streams training draws
+  from: they are put back as they were after the last training batch's callbacks ran. So a
+  checkpoint written right before a validation pass (``every_n_train_steps`` at an epoch's end)
+  resumes like any other, and adding validation does not shift training.
 """
 
 from __future__ import annotations
@@ -102,15 +108,18 @@ class TorchreproCallback(Callback):
       ``configure_model``) for reproducible initial weights.
     - **checkpoints**: every checkpoint holds every rank's ``RngState`` (Python, NumPy, torch
       CPU and CUDA), gathered from all ranks; it loads with ``torch.load(weights_only=True)``.
-    - **resume** (``trainer.fit(ckpt_path=...)``): each rank's state is restored in
-      ``on_train_start``, after the restore and the dataloader setup and before the first resumed
-      batch, so the run draws the random numbers the uninterrupted run drew. Resuming with a
-      different number of ranks raises ``RngStateError``; a checkpoint without the state warns.
+    - **resume** (``trainer.fit(ckpt_path=...)``): each rank's state is restored right before
+      the first resumed training step (``on_train_batch_start``), so the run draws the random
+      numbers the uninterrupted run drew. Resuming with a different number of ranks raises
+      ``RngStateError``; a checkpoint without the state warns.
+    - **validation** during ``fit`` (and the sanity check) leaves the training streams as the
+      last training batch left them, so checkpoints written right before a validation pass
+      resume exactly too, and adding validation does not shift training.
 
     Batches resume exactly when ``train_dataloader()`` returns a ``torchrepro.SeededLoader``
-    (Lightning saves its position). Randomness drawn after a checkpoint is written and before the
-    next batch (``LightningModule.on_train_batch_end``, a validation pass right after it) is not
-    repeated by the resumed run.
+    (Lightning saves its position; its batches never move the global streams). Randomness drawn
+    in hooks between a checkpoint and the next training step (``on_train_batch_end`` after the
+    save, ``on_train_epoch_start``) is not drawn again by the resumed run.
     """
 
     def __init__(self, seed: int = 0, mode: str = "strict") -> None:
@@ -120,6 +129,8 @@ class TorchreproCallback(Callback):
         self._trainer: Trainer | None = None
         self._pending: RngState | None = None  # this rank's state, loaded, not yet restored
         self._loaded = False
+        self._training_rng: RngState | None = None  # the streams validation must leave as they are
+        self._sanity_rng: RngState | None = None
 
     # -- setup: seeds and switches ------------------------------------------------------------
 
@@ -127,6 +138,7 @@ class TorchreproCallback(Callback):
         """Seed every RNG and set the switches (or check those of ``torchrepro run``)."""
         self._trainer = trainer
         self._pending, self._loaded = None, False  # a state loaded by an earlier call is stale
+        self._training_rng = None
         from torchrepro._child.spec import ChildSpec
 
         spec = ChildSpec.from_env()
@@ -184,7 +196,7 @@ class TorchreproCallback(Callback):
         return {"version": STATE_VERSION, "world_size": len(states), "rng": states}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Check the saved states against this run and keep this rank's for ``on_train_start``."""
+        """Check the saved states against this run and keep this rank's for the first resumed step."""
         if not isinstance(state_dict, Mapping) or state_dict.get("version") != STATE_VERSION:
             version = state_dict.get("version") if isinstance(state_dict, Mapping) else None
             raise RngStateError(
@@ -212,11 +224,8 @@ class TorchreproCallback(Callback):
     # -- resume ------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Restore this rank's saved RNG state: the last moment before the first resumed batch."""
-        if self._pending is not None:
-            state, self._pending = self._pending, None
-            state.restore()
-        elif trainer.ckpt_path is not None and not self._loaded:
+        """Warn when resuming from a checkpoint that holds no RNG states."""
+        if trainer.ckpt_path is not None and not self._loaded:
             warn_once(
                 "lightning-no-rng-state",
                 f"Resuming from {trainer.ckpt_path} without RNG states: the checkpoint has no "
@@ -226,3 +235,31 @@ class TorchreproCallback(Callback):
                 ReproWarning,
                 stacklevel=3,
             )
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        """Restore this rank's saved RNG state right before the first resumed training step."""
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            state.restore()
+
+    # -- validation leaves the training streams alone -----------------------------------------
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        """Remember the streams as training left them, for the validation pass that may follow."""
+        if trainer.enable_validation:
+            self._training_rng = RngState.capture()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Put back the streams of the last training batch: validation draws leave no trace."""
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and self._training_rng is not None:
+            self._training_rng.restore()
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Remember the streams before the sanity check's validation batches."""
+        self._sanity_rng = RngState.capture()
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Put the streams back: the sanity check does not shift training."""
+        state, self._sanity_rng = self._sanity_rng, None
+        if state is not None:
+            state.restore()

@@ -7,7 +7,8 @@ Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
 - Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
   with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
-- Rank 0 writes the final parameters to ``OUT/final.pt``; every rank writes its pid to
+- Rank 0 writes the final parameters to ``OUT/final.pt`` and the determinism mode in effect
+  to ``OUT/mode.txt``; every rank writes its pid to
   ``OUT/pid.rank<R>`` at setup. With ``--devices 2`` Lightning starts rank 1 by running this
   file again, unless the ranks were started externally (``LOCAL_RANK`` set).
 """
@@ -59,6 +60,9 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         torch.rand(self.global_rank + 1)  # ranks' streams differ: restoring another rank's state shows
+        if os.environ.get("TRAIN_DEBUG"):
+            rng = hash(torch.get_rng_state().numpy().tobytes()) % 10**6
+            print("step", self.global_step, batch_idx, x.sum().item(), rng, flush=True)
         return nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -85,7 +89,28 @@ class KillAt(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         (self.out / f"pid.rank{trainer.global_rank}").write_text(str(os.getpid()))
 
+    def _debug(self, where: str, trainer: pl.Trainer) -> None:
+        if os.environ.get("TRAIN_DEBUG"):
+            rng = hash(torch.get_rng_state().numpy().tobytes()) % 10**6
+            print(where, trainer.global_step, rng, flush=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("batch_end", trainer)
+
+    def on_validation_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("val_start", trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("val_end", trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("epoch_start", trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("train_start", trainer)
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._debug("batch_start", trainer)
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -113,6 +138,8 @@ def main(argv: list[str]) -> int:
         torchrepro.seed_everything(SEED)  # before the model is built: same initial weights
         callbacks.append(TorchreproCallback(seed=SEED))
     model = Net(args.variant, args.workers)
+    if os.environ.get("TRAIN_DEBUG"):
+        callbacks.append(KillAt(args.out, None))  # a second probe, after TorchreproCallback
     callbacks.append(
         ModelCheckpoint(
             dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1
@@ -133,6 +160,7 @@ def main(argv: list[str]) -> int:
     trainer.fit(model, ckpt_path=args.resume)
     if trainer.is_global_zero:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / "final.pt")
+        (args.out / "mode.txt").write_text(torchrepro.status().mode)
     return 0
 
 
