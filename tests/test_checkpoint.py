@@ -450,3 +450,126 @@ def test_each_rank_saves_and_restores_its_own_rng_under_torchrun(tmp_path: Path)
     assert r0["expected"] != r1["expected"]  # control: one shared RNG state could not serve both
     with pytest.raises(CheckpointError, match=r"world size 2; this run has world size 1"):
         load_checkpoint(ckpt / "step-1.pt", model=nn.Linear(2, 2))
+
+
+# -- gradients: a save inside an accumulation window ---------------------------------------------
+
+
+def test_gradients_are_saved_and_restored_none_stays_none(tmp_path: Path) -> None:
+    model = make_model()
+    model(torch.randn(2, 1, 4, 4)).sum().backward()  # the first micro-batch of a window
+    first_linear = model[4].weight  # type: ignore[index]
+    first_linear.grad = None  # a parameter without a gradient must come back without one
+    save(tmp_path / "mid.pt", model=model)
+    expected = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+    other = make_model()
+    other(torch.randn(2, 1, 4, 4)).sum().backward()  # stale gradients everywhere, to be replaced
+    kept = other[0].weight.grad  # type: ignore[index]
+    load_checkpoint(tmp_path / "mid.pt", model=other)
+    for name, p in other.named_parameters():
+        want = expected[name]
+        assert (p.grad is None) if want is None else torch.equal(p.grad, want), name  # type: ignore[arg-type]
+    assert other[0].weight.grad is kept  # copied into the existing tensor (DDP bucket views stay)  # type: ignore[index]
+    with torch.no_grad():
+        assert torch.load(tmp_path / "mid.pt", weights_only=True)["objects"]["model"]["grads"]
+
+
+def test_accumulation_window_resumes_exactly_only_with_gradients(tmp_path: Path) -> None:
+    """Save between the two backward() calls of an accumulation window, resume, finish the step."""
+    data = torch.randn(4, 2, 1, 4, 4, generator=torch.Generator().manual_seed(1))
+
+    def run(stop_after: int | None, resume: Path | None, keep_grads: bool = True) -> nn.Module:
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        start = 0
+        if resume is not None:
+            start = load_checkpoint(resume, model=model, optimizer=opt)["micro"]
+            if not keep_grads:
+                opt.zero_grad()  # what a resume without saved gradients amounts to
+        for micro in range(start, len(data)):
+            model(data[micro]).sum().backward()
+            if micro % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+            if micro == stop_after:
+                save(tmp_path / "ckpt.pt", model=model, optimizer=opt, micro=micro + 1)
+                break
+        return model
+
+    reference = run(None, None)
+    run(0, None)  # saved after the first backward of the first window
+    resumed = run(None, tmp_path / "ckpt.pt")
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(reference.state_dict().values(), resumed.state_dict().values(), strict=True)
+    )
+    dropped = run(None, tmp_path / "ckpt.pt", keep_grads=False)  # negative control
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(reference.state_dict().values(), dropped.state_dict().values(), strict=True)
+    )
+
+
+def test_gradients_that_do_not_fit_change_nothing(tmp_path: Path) -> None:
+    model = make_model()
+    model(torch.randn(2, 1, 4, 4)).sum().backward()
+    save(tmp_path / "g.pt", model=model)
+    payload = torch.load(tmp_path / "g.pt", weights_only=True)
+    payload["objects"]["model"]["grads"]["4.weight"] = torch.zeros(3, 3)
+    payload["objects"]["model"]["grads_digest"] = torchrepro.checkpoint._digest(
+        payload["objects"]["model"]["grads"], "model"
+    )
+    torch.save(payload, tmp_path / "bad.pt")
+    target = make_model()
+    before = fingerprint(target)
+    with pytest.raises(
+        CheckpointError, match=r"gradient of '4.weight' has shape \(3, 3\).*Nothing was changed"
+    ):
+        load_checkpoint(tmp_path / "bad.pt", model=target)
+    assert fingerprint(target) == before and all(p.grad is None for p in target.parameters())
+    payload["objects"]["model"]["grads"]["4.weight"] = torch.ones(2, 12)  # right shape, wrong checksum
+    torch.save(payload, tmp_path / "corrupt.pt")
+    with pytest.raises(CheckpointError, match=r"stored gradients of 'model' do not match"):
+        load_checkpoint(tmp_path / "corrupt.pt", model=target)
+
+
+# -- a load racing saves of the same path ----------------------------------------------------------
+
+
+def _keep_saving(path: str, stop: Any) -> None:
+    model = nn.Linear(64, 64)
+    tag = 0
+    while not stop.is_set():
+        tag += 1
+        with torch.no_grad():
+            model.weight.fill_(float(tag))
+            model.bias.fill_(float(tag))
+        save(path, model=model, tag=tag)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_load_racing_saves_reads_one_file(tmp_path: Path, verify: bool) -> None:
+    import multiprocessing
+    import time
+
+    path = str(tmp_path / "last.pt")
+    save(path, model=nn.Linear(64, 64), tag=0)
+    ctx = multiprocessing.get_context("fork")
+    stop = ctx.Event()
+    writer = ctx.Process(target=_keep_saving, args=(path, stop))
+    writer.start()
+    mixed, loads = [], 0
+    try:
+        deadline = time.monotonic() + 3.0
+        model = nn.Linear(64, 64)
+        while time.monotonic() < deadline:
+            tag = load_checkpoint(path, model=model, verify=verify, restore_rng=False)["tag"]
+            loads += 1
+            if tag and not (bool((model.weight == tag).all()) and bool((model.bias == tag).all())):
+                mixed.append(tag)
+    finally:
+        stop.set()
+        writer.join(timeout=30)
+    assert loads > 20 and mixed == [], f"{len(mixed)} of {loads} loads mixed two saves"

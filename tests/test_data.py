@@ -364,17 +364,23 @@ def test_resume_in_process_continues_exactly(reference: list[torch.Tensor]) -> N
 
     got: list[torch.Tensor] = []
     state: dict[str, Any] | None = None
+    passes = 0
     for stop, num_workers in [((0, 2), 0), ((0, 6), 2), ((1, 1), 0), ((1, 4), 0), ((1, 6), 2)]:
         loader = make(num_workers)
         if state is not None:
             loader.load_state_dict(json.loads(json.dumps(state)))
-        for batch in loader:
-            got.append(batch)
-            if (loader.epoch, loader.state_dict()["batches_consumed"]) == stop:
-                break
+        stopped = False
+        while not stopped:  # an epoch loop: a resume at (0, 6) first finishes epoch 0's (empty) rest
+            passes += 1
+            for batch in loader:
+                got.append(batch)
+                if (loader.epoch, loader.state_dict()["batches_consumed"]) == stop:
+                    stopped = True
+                    break
         state = loader.state_dict()
-        assert (state["epoch"], state["batches_consumed"]) == stop
+        assert (state["epoch"], state["batches_consumed"], state["finished"]) == (*stop, False)
     assert same(got, reference)
+    assert passes == 6  # one pass per resume, plus epoch 0's empty rest after the stop at (0, 6)
 
 
 class Counting(Dataset[int]):
@@ -479,11 +485,20 @@ def test_malformed_state_is_rejected(change: dict[str, Any], message: str) -> No
 # -- arguments ---------------------------------------------------------------------------------
 
 
-def test_is_a_dataloader_and_keeps_the_users_dataset() -> None:
-    dataset = Draws(10)
+def test_is_a_dataloader_and_keeps_the_users_dataset(rng_changes_ok: None) -> None:
+    dataset = Draws(10, use_sample_rng=False)
     loader = SeededLoader(dataset, batch_size=4, seed=0, drop_last=True)
     assert isinstance(loader, DataLoader)
-    assert loader.dataset is dataset
+    assert loader.source_dataset is dataset
+    # loader.dataset is a seeding view: the user's attributes, length and plain indices pass through.
+    view: Any = loader.dataset
+    assert (len(view), view.n, view.use_sample_rng) == (10, 10, False)
+    torchrepro.seed_everything(0)
+    plain = view[3]
+    torchrepro.seed_everything(0)
+    assert torch.equal(plain, dataset[3]) and int(plain[0]) == 3
+    with pytest.raises(AttributeError):
+        view.no_such_attribute  # noqa: B018
     assert (loader.batch_size, loader.drop_last, len(loader), loader.seed) == (4, True, 2, 0)
 
 
@@ -523,3 +538,156 @@ def test_bad_arguments_are_explained(kwargs: dict[str, Any], error: type[Excepti
 def test_config_errors_are_repro_errors() -> None:
     assert issubclass(LoaderConfigError, ReproError) and issubclass(LoaderConfigError, ValueError)
     assert issubclass(UnsupportedDatasetError, ReproError) and issubclass(UnsupportedDatasetError, TypeError)
+
+
+# -- loop shapes: set_epoch after a restore, a checkpoint at an epoch's last batch ---------------
+
+
+def _epochs(loader: SeededLoader) -> list[tuple[int, list[int]]]:
+    """One pass: (epoch, indices) per batch."""
+    return [(loader.epoch, [int(i) for i in batch]) for batch in loader]
+
+
+def test_set_epoch_keeps_a_restored_position_and_starts_other_epochs() -> None:
+    full = SeededLoader(list(range(20)), batch_size=4, seed=1)
+    epoch0, epoch1 = order(full), order(full)
+    saver = SeededLoader(list(range(20)), batch_size=4, seed=1)
+    saver.set_epoch(1)
+    it = iter(saver)
+    next(it), next(it)
+    state = saver.state_dict()
+
+    resumed = SeededLoader(list(range(20)), batch_size=4, seed=1)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(1)  # `for epoch in range(start, E): loader.set_epoch(epoch)` after the restore
+    assert order(resumed) == epoch1[8:]  # the position was kept: no replay
+    resumed.set_epoch(1)  # that pass ended: the same epoch again starts from its first batch
+    assert order(resumed) == epoch1
+    resumed.set_epoch(0)
+    assert order(resumed) == epoch0
+
+    other = SeededLoader(list(range(20)), batch_size=4, seed=1)
+    other.load_state_dict(state)
+    other.set_epoch(0)  # another epoch than the restored one starts that epoch
+    assert order(other) == epoch0
+
+
+def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_its_empty_rest() -> None:
+    def loop(loader: SeededLoader, epochs: int, stop: tuple[int, int] | None = None) -> list[str]:
+        """An epoch loop with code after the inner loop; stops (without ending the pass) at `stop`."""
+        log = []
+        while loader.epoch < epochs or loader.state_dict()["finished"] is False:
+            for batch in loader:
+                log.append(f"batch {loader.epoch}:{int(batch[0])}")
+                if stop == (loader.epoch, loader.state_dict()["batches_consumed"]):
+                    return log
+            log.append(f"end of epoch {loader.epoch}")
+            if loader.epoch == epochs - 1:
+                break
+        return log
+
+    make = lambda: SeededLoader(list(range(12)), batch_size=4, seed=2)  # noqa: E731
+    reference = loop(make(), 3)
+    assert reference.count("end of epoch 0") == 1 and len(reference) == 12
+    for stop in [(e, b) for e in range(3) for b in range(1, 4)]:
+        first = make()
+        head = loop(first, 3, stop)
+        saved = first.state_dict()
+        assert saved["finished"] is False
+        resumed = make()
+        resumed.load_state_dict(json.loads(json.dumps(saved)))
+        assert head + loop(resumed, 3) == reference, stop
+
+    # Saved after the inner loop ended: the next pass is the next epoch.
+    after = make()
+    for _ in after:
+        pass
+    state = after.state_dict()
+    assert (state["epoch"], state["batches_consumed"], state["finished"]) == (0, 3, True)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.epoch == 1 and len(order(resumed)) == 12
+    # A state written before "finished" existed reads as before (a full epoch is finished).
+    old = {k: v for k, v in state.items() if k != "finished"}
+    legacy = make()
+    legacy.load_state_dict(old)
+    assert legacy.epoch == 1
+
+
+def test_the_sampler_is_a_distributed_sampler_read_at_each_pass() -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    loader = SeededLoader(list(range(10)), batch_size=2, seed=0)
+    sampler: Any = loader.sampler
+    assert isinstance(sampler, DistributedSampler)
+    assert (sampler.rank, sampler.num_replicas, sampler.num_samples, sampler.shuffle) == (0, 1, 10, True)
+    fixed: Any = SeededLoader(list(range(10)), batch_size=2, seed=0, rank=1, world_size=3).sampler
+    assert (fixed.rank, fixed.num_replicas, fixed.num_samples, fixed.total_size) == (1, 3, 4, 12)
+    with pytest.raises(LoaderConfigError, match=r"use_distributed_sampler=False"):
+        SeededLoader(list(range(10)), batch_size=2, seed=0, sampler=DistributedSampler(range(10), 1, 0))
+
+
+class Indexed(Dataset[torch.Tensor]):
+    """Sample i: [i, a torch draw]; raises on anything but an int index (as a user's dataset would)."""
+
+    def __len__(self) -> int:
+        return 18
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not isinstance(index, int):
+            raise IndexError(f"expected an int index, got {index!r}")
+        return torch.tensor([float(index), float(torch.rand(()))], dtype=torch.float64)
+
+
+def rebuilt(loader: SeededLoader, **kwargs: Any) -> DataLoader[Any]:
+    """What accelerate's prepare (and other frameworks) build from a loader's parts."""
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=loader.batch_sampler,
+        collate_fn=loader.collate_fn,
+        generator=loader.generator,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_plain_dataloader_rebuilt_from_its_parts_keeps_its_batches(
+    num_workers: int, rng_changes_ok: None
+) -> None:
+    reference = passes(SeededLoader(Indexed(), batch_size=4, seed=5), epochs=3)
+    loader = SeededLoader(Indexed(), batch_size=4, seed=5)
+    plain = rebuilt(loader, num_workers=num_workers)
+    got = passes(plain, epochs=3)  # each pass of the rebuilt loader advances the epoch by itself
+    assert same(got, reference)
+    assert loader.epoch == 2 and loader.state_dict()["finished"] is True
+    # set_epoch through the sampler (what accelerate's and the HF Trainer's set_epoch call)
+    sampler: Any = plain.batch_sampler.sampler  # type: ignore[union-attr]
+    sampler.set_epoch(1)
+    assert same(passes(plain, epochs=1), reference[5:10])
+
+    # negative control: the same rebuild from a plain DataLoader draws differently per worker count
+    base = DataLoader(Indexed(), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    a = passes(DataLoader(Indexed(), batch_sampler=base.batch_sampler, num_workers=0), epochs=1)
+    torch.manual_seed(0)
+    b = passes(DataLoader(Indexed(), batch_sampler=base.batch_sampler, num_workers=num_workers), epochs=1)
+    assert not same(a, b) or num_workers == 0
+    assert not same(a, reference[:5])
+
+
+def test_a_seededloader_rebuilt_from_its_attributes_keeps_its_batches() -> None:
+    """Lightning-style re-instantiation: the constructor gets the instance's attributes back."""
+    reference = passes(SeededLoader(Indexed(), batch_size=4, seed=5, collate_fn=collate_with_draw))
+    original = SeededLoader(Indexed(), batch_size=4, seed=5, collate_fn=collate_with_draw)
+    attrs = {k: v for k, v in vars(original).items() if not k.startswith("_")}
+    again = SeededLoader(
+        attrs.pop("dataset"),
+        batch_size=attrs.pop("batch_size"),
+        drop_last=attrs.pop("drop_last"),
+        sampler=attrs.pop("sampler"),
+        batch_sampler=attrs.pop("batch_sampler"),
+        generator=attrs.pop("generator"),
+        collate_fn=attrs.pop("collate_fn"),
+    )
+    assert again.seed == 5 and again.source_dataset is original.source_dataset
+    assert same(passes(again), reference)

@@ -25,6 +25,9 @@ Invariants:
 - A file that declares more than ``max_expanded_bytes`` (default: twice its size plus 64 MiB) is
   refused before it is unpacked: its zip members' declared sizes, then, before any checksum, the
   copies of its non-contiguous tensor views.
+- A load reads one file: the path is opened once and everything (size checks, unpacking, mmap)
+  reads that open file, so a save renaming a new file over the path meanwhile cannot mix two
+  saves into one load.
 - ``load_checkpoint`` checks what it can cheaply before it copies anything into the objects
   passed (names, kinds, a module's keys, shapes and dtypes, an optimizer's parameter groups, the
   RNG state), so a load refused by those checks changes nothing.
@@ -295,6 +298,10 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     ``state_dict()``; ``torch.Generator``/``numpy.random.Generator`` objects inside the RNG state;
     numbers, strings, bools, ``None``, tensors and dicts/lists of those as they are. Every
     object's state is saved with a checksum so ``load_checkpoint`` can verify the restore.
+    A module's parameter gradients (``.grad``) are saved with it and restored (``None`` where
+    there was none): a checkpoint taken between two ``backward()`` calls of a gradient
+    accumulation window resumes exactly. (Saved after ``optimizer.step()``, gradients the next
+    ``zero_grad()`` discards take space: call ``zero_grad()`` before saving to keep files small.)
 
     Under ``torch.distributed`` call it on every rank with the same ``path``: rank 0 writes
     ``path``, rank ``r`` writes ``path + ".rank<r>"``. Returns the path this process wrote.
@@ -329,6 +336,9 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
         state = obj if kind == "value" else obj.state_dict()
         _check_loadable(state, name)
         entries[name] = {"kind": kind, "state": state, "digest": _digest(state, name)}
+        if kind == "module":  # gradients are state: a save inside an accumulation window needs them
+            grads = _gradients(obj)
+            entries[name].update(grads=grads, grads_digest=_digest(grads, name))
 
     try:
         rng = _pack(RngState.capture(generators=generators).to_dict())
@@ -556,25 +566,37 @@ def _read(
     Nothing is unpacked before the sizes the file declares are checked against the limit
     (``max_expanded_bytes``, see ``_expansion_limit``).
     """
-    size, head = _open_file(path)
-    if size == 0:
-        raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
-    if head != _ZIP_MAGIC:
-        raise CheckpointError(
-            f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
-            "a checkpoint written by torchrepro.save_checkpoint."
-        )
-    limit = _expansion_limit(size, max_expanded_bytes)
-    declared = _declared_bytes(path)
-    if declared > limit:
-        what = f"before unpacking it: its zip members declare {declared:,} bytes"
-        raise _too_large(path, size, declared, limit, what, max_expanded_bytes)
+    fd, size, head = _open_file(path)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            payload = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
-    except Exception as e:
-        raise CheckpointError(f"Checkpoint {path} cannot be read: {_describe_load_error(path, e)}") from None
+        # Everything below reads this one open file, never the path again: a save that renames a
+        # new file over the path meanwhile cannot mix two files' bytes into one load.
+        source = _fd_path(fd)
+        if size == 0:
+            raise CheckpointError(f"Checkpoint {path} is empty (0 bytes): it was never written completely.")
+        if head != _ZIP_MAGIC:
+            raise CheckpointError(
+                f"Checkpoint {path} is not a torch zip file (starts with {head!r}): it is corrupt, or not "
+                "a checkpoint written by torchrepro.save_checkpoint."
+            )
+        limit = _expansion_limit(size, max_expanded_bytes)
+        declared = _declared_bytes(path, fd, source)
+        if declared > limit:
+            what = f"before unpacking it: its zip members declare {declared:,} bytes"
+            raise _too_large(path, size, declared, limit, what, max_expanded_bytes)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if source is not None:
+                    payload = torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
+                else:  # no path to this open file: read it whole (mmap needs a path)
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        f.seek(0)
+                        payload = torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as e:
+            detail = _describe_load_error(path, e)
+            raise CheckpointError(f"Checkpoint {path} cannot be read: {detail}") from None
+    finally:
+        os.close(fd)
     _validate(payload, path)
     needed = declared + _copied_bytes(payload)
     if needed > limit:
@@ -586,10 +608,18 @@ def _read(
     return payload  # type: ignore[no-any-return]
 
 
-def _open_file(path: Path) -> tuple[int, bytes]:
-    """``(size, first 4 bytes)`` of the regular file at ``path``; ``CheckpointError`` naming it
-    and the cause for anything else (missing, a directory or pipe, a symlink loop, no read
-    permission). Opened non-blocking, so a named pipe in its place cannot hang the read."""
+def _fd_path(fd: int) -> str | None:
+    """A path that opens the file behind ``fd`` itself, whatever is renamed over its name
+    (``/proc/self/fd/N`` on Linux), or ``None`` where there is none."""
+    candidate = f"/proc/self/fd/{fd}"
+    return candidate if os.path.exists(candidate) else None
+
+
+def _open_file(path: Path) -> tuple[int, int, bytes]:
+    """``(open fd, size, first 4 bytes)`` of the regular file at ``path`` (the caller closes the
+    fd); ``CheckpointError`` naming it and the cause for anything else (missing, a directory or
+    pipe, a symlink loop, no read permission). Opened non-blocking, so a named pipe in its place
+    cannot hang the read."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except FileNotFoundError:
@@ -605,11 +635,15 @@ def _open_file(path: Path) -> tuple[int, bytes]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _not_a_file(path, info.st_mode)
-        return info.st_size, os.read(fd, 4)
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return fd, info.st_size, os.pread(fd, 4, 0) if hasattr(os, "pread") else os.read(fd, 4)
     except OSError as e:
-        raise _unreadable(path, e) from None
-    finally:
         os.close(fd)
+        raise _unreadable(path, e) from None
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # errno -> (what happened, what to do) for a file that cannot be read.
@@ -661,11 +695,14 @@ _DAMAGED_ZIP = (
 )
 
 
-def _declared_bytes(path: Path) -> int:
-    """The total uncompressed size the zip archive declares for its members (read from its
-    central directory: nothing is unpacked). ``torch.load`` allocates what is declared."""
+def _declared_bytes(path: Path, fd: int, source: str | None) -> int:
+    """The total uncompressed size the zip archive open as ``fd`` declares for its members (read
+    from its central directory: nothing is unpacked). ``torch.load`` allocates what is declared."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with (
+            open(source, "rb") if source is not None else os.fdopen(os.dup(fd), "rb") as f,
+            zipfile.ZipFile(f) as archive,
+        ):
             return sum(info.file_size for info in archive.infolist())
     except OSError as e:
         raise _unreadable(path, e) from None
@@ -760,12 +797,46 @@ def _validate(payload: Any, path: Path) -> None:
 
 
 def _valid_entry(entry: Any) -> bool:
+    grads = entry.get("grads", {}) if isinstance(entry, dict) else None
     return (
         isinstance(entry, dict)
         and entry.get("kind") in _KIND_WORDS
         and isinstance(entry.get("digest"), str)
         and "state" in entry
+        and isinstance(grads, dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in grads.items())
+        and ("grads" not in entry or isinstance(entry.get("grads_digest"), str))
     )
+
+
+def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The ``.grad`` of each of ``module``'s parameters that has one, by parameter name."""
+    return {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
+
+
+def _grad_mismatches(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> list[str]:
+    params = dict(module.named_parameters())
+    problems = [f"a gradient for {k!r}, a parameter the module lacks" for k in grads if k not in params]
+    problems += [
+        f"the gradient of {k!r} has shape {tuple(g.shape)}, the parameter {tuple(params[k].shape)}"
+        for k, g in grads.items()
+        if k in params and g.shape != params[k].shape and not torch.nn.parameter.is_lazy(params[k])
+    ]
+    return problems
+
+
+def _restore_gradients(module: torch.nn.Module, grads: Mapping[str, torch.Tensor]) -> None:
+    """Give every parameter its saved ``.grad`` (``None`` when none was saved), copying into an
+    existing gradient tensor when it fits (DDP's bucket views stay attached)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            saved = grads.get(name)
+            if saved is None:
+                p.grad = None
+            elif p.grad is not None and p.grad.shape == saved.shape and p.grad.dtype == saved.dtype:
+                p.grad.copy_(saved)
+            else:
+                p.grad = saved.to(device=p.device, dtype=p.dtype, copy=True)
 
 
 def _verify(payload: Mapping[str, Any], path: Path, names: Iterable[str] | None = None) -> None:
@@ -776,6 +847,11 @@ def _verify(payload: Mapping[str, Any], path: Path, names: Iterable[str] | None 
         if entry["kind"] != "generator" and _digest(entry["state"], name) != entry["digest"]:
             raise CheckpointError(
                 f"Checkpoint {path} is corrupt: the stored state of {name!r} does not match its "
+                "checksum. Resume from an earlier checkpoint."
+            )
+        if "grads" in entry and _digest(entry["grads"], name) != entry["grads_digest"]:
+            raise CheckpointError(
+                f"Checkpoint {path} is corrupt: the stored gradients of {name!r} do not match their "
                 "checksum. Resume from an earlier checkpoint."
             )
     if _digest(payload["rng"]["state"], "RNG state") != payload["rng"]["digest"]:
@@ -894,9 +970,25 @@ def load_checkpoint(
     for name in ordered:
         if entries[name]["kind"] not in _VERIFIED_AS_STORED and entries[name]["kind"] != "generator":
             _check_before_restore(file, name, objects[name], entries[name]["state"], verify=verify)
+        grads = entries[name].get("grads")
+        if grads is not None:
+            if verify and _digest(grads, name) != entries[name]["grads_digest"]:
+                raise CheckpointError(
+                    f"Checkpoint {file} is corrupt: the stored gradients of {name!r} do not match "
+                    "their checksum. Nothing was changed; resume from an earlier checkpoint."
+                )
+            problems = _grad_mismatches(objects[name], grads)
+            if problems:
+                raise CheckpointError(
+                    f"Cannot restore the gradients of {name!r} from {file}: the checkpoint holds "
+                    f"{_some(problems, quote=False)}. Nothing was changed; restore into a module built "
+                    "like the one that was saved."
+                )
     for name in ordered:
         if entries[name]["kind"] != "generator":
             _restore_one(file, name, objects[name], entries[name]["state"])
+            if "grads" in entries[name]:
+                _restore_gradients(objects[name], entries[name]["grads"])
     if verify:
         for name in ordered:
             entry = entries[name]

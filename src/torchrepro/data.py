@@ -12,22 +12,30 @@ Invariants:
 - In the main process (``num_workers=0``) the global RNG states are put back after every batch,
   so loading never moves the training loop's RNG stream.
 - The position is the number of batches the training loop *received* in the current epoch (not
-  what workers prefetched); resuming skips by index, without loading the skipped samples.
+  what workers prefetched) and whether that pass ended; resuming skips by index, without loading
+  the skipped samples. A state saved inside a pass, even after its last batch, resumes into the
+  rest of that epoch (possibly empty), so code after the loop's inner ``for`` runs once.
+- The parts are self-sufficient: the sampler (a ``DistributedSampler``) holds the position and
+  reads rank and world size when each pass starts; ``loader.dataset`` is a view of the user's
+  dataset that does the seeding; ``collate_fn`` unwraps what it collated. A framework that
+  rebuilds a plain ``DataLoader`` from these parts gets the same batches.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import random
 import struct
+import sys
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import numpy_or_none, require_numpy
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
@@ -37,9 +45,6 @@ __all__ = ["LoaderConfigError", "SeededLoader", "UnsupportedDatasetError", "samp
 
 STATE_VERSION: Final = 1
 """Version of the dict ``SeededLoader.state_dict()`` returns."""
-
-# A sampled key: (epoch, batch index within the epoch, dataset index).
-_Key = tuple[int, int, int]
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,13 +204,43 @@ def _reseed_object(obj: object, s: int, np: Any) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Order and sharding.
+# Order, sharding and the position (the sampler owns it, so rebuilt loaders keep it).
 
 
-class _SeededSampler(Sampler[_Key]):
-    """Yields ``(epoch, batch_index, index)`` for this rank's shard of epoch ``epoch``.
+class _SampleKey(tuple):  # type: ignore[type-arg]
+    """``(epoch, batch_index, index)``: what the sampler yields and the seeding dataset loads.
 
-    The loader sets ``epoch`` and ``start_batch`` before each pass; ``__len__`` is the full shard.
+    A type of its own, so that a plain tuple the user indexes ``loader.dataset`` with is passed
+    to their dataset unchanged.
+    """
+
+    __slots__ = ()
+
+
+def _current_shard(fixed: tuple[int, int] | None) -> tuple[int, int]:
+    """``(rank, world_size)``: the fixed ones, else torch.distributed's now, else ``(0, 1)``."""
+    if fixed is not None:
+        return fixed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _SeededSampler(DistributedSampler[_SampleKey]):
+    """Yields the ``_SampleKey``s of this rank's shard of one epoch, and holds the position.
+
+    A ``DistributedSampler`` (frameworks that replace a loader's sampler with a distributed one,
+    such as Lightning's ``use_distributed_sampler``, keep it: it already shards by rank, padded
+    like ``DistributedSampler``). Rank and world size are read from ``torch.distributed`` when a
+    pass starts (unless fixed), so a loader built before the process group exists still shards.
+
+    The position is ``(epoch, batches, finished)``: the epoch of the current pass, the batches of
+    it the training loop received, and whether the pass ended (its iterator was exhausted).
+    ``pending`` means the next pass continues that position instead of starting the next epoch.
+    A pass started by ``SeededLoader.__iter__`` is *armed* (the loader already chose where it
+    starts, and counts received batches itself); any other pass (a framework that rebuilt a plain
+    ``DataLoader`` from this sampler) advances the epoch by itself and counts the batches it
+    handed out.
     """
 
     def __init__(
@@ -216,24 +251,51 @@ class _SeededSampler(Sampler[_Key]):
         batch_size: int,
         shuffle: bool,
         drop_last: bool,
-        rank: int,
-        world_size: int,
+        shard: tuple[int, int] | None,
     ) -> None:
-        super().__init__()
+        # DistributedSampler.__init__ needs a process group or a fixed shard; neither is needed here.
+        Sampler.__init__(self)
         self.seed = seed
         self.length = length
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
-        self.rank = rank
-        self.world_size = world_size
-        if drop_last and length % world_size:
-            self.num_samples = length // world_size  # drop the tail so every rank gets as many
-        else:
-            self.num_samples = math.ceil(length / world_size)  # pad with the first indices
-        self.total_size = self.num_samples * world_size
+        self.fixed_shard = shard
         self.epoch = 0
-        self.start_batch = 0
+        self.batches = 0
+        self.finished = False
+        self.pending = True
+        self.armed = False
+        self.pass_id: object = object()
+
+    # DistributedSampler's attributes, read now (they follow the process group).
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return _current_shard(self.fixed_shard)[0]
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return _current_shard(self.fixed_shard)[1]
+
+    def _sizes(self, world_size: int) -> tuple[int, int]:
+        """``(num_samples, total_size)`` for ``world_size`` ranks."""
+        if self.drop_last and self.length % world_size:
+            num_samples = self.length // world_size  # drop the tail so every rank gets as many
+        else:
+            num_samples = math.ceil(self.length / world_size)  # pad with the first indices
+        return num_samples, num_samples * world_size
+
+    @property
+    def num_samples(self) -> int:  # type: ignore[override]
+        return self._sizes(self.num_replicas)[0]
+
+    @property
+    def total_size(self) -> int:  # type: ignore[override]
+        return self._sizes(self.num_replicas)[1]
+
+    def num_batches(self) -> int:
+        samples = self.num_samples
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
     def order(self, epoch: int) -> list[int]:
         """The permutation of epoch ``epoch`` (the same on every rank), before sharding."""
@@ -243,24 +305,86 @@ class _SeededSampler(Sampler[_Key]):
         generator.manual_seed(derive_seed(self.seed, "order", epoch))
         return torch.randperm(self.length, generator=generator).tolist()
 
-    def shard(self, epoch: int) -> list[int]:
-        """The dataset indices this rank loads in epoch ``epoch``, in order."""
+    def shard(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
+        """The dataset indices ``rank`` loads in epoch ``epoch``, in order (default: this rank)."""
+        if rank is None or world_size is None:
+            rank, world_size = _current_shard(self.fixed_shard)
         indices = self.order(epoch)
-        if self.world_size == 1:
+        if world_size == 1:
             return indices
-        padding = self.total_size - len(indices)
+        total_size = self._sizes(world_size)[1]
+        padding = total_size - len(indices)
         if padding > 0 and indices:
             indices += (indices * math.ceil(padding / len(indices)))[:padding]
-        return indices[self.rank : self.total_size : self.world_size]
+        return indices[rank:total_size:world_size]
 
-    def __iter__(self) -> Iterator[_Key]:
-        epoch, batch_size = self.epoch, self.batch_size
+    # -- position ---------------------------------------------------------------------------
+
+    def begin_pass(self) -> int:
+        """Start a pass: the next epoch unless a position is pending; returns its first batch."""
+        if not self.pending:
+            self.epoch, self.batches, self.finished = self.epoch + 1, 0, False
+        self.pending = False
+        self.pass_id = object()
+        return self.batches
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch``; the position is kept if it is in that unfinished epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
+        if epoch != self.epoch or self.finished:
+            self.epoch, self.batches, self.finished = epoch, 0, False
+        self.pending = True
+        self.armed = False
+        self.pass_id = object()
+
+    def __iter__(self) -> Iterator[_SampleKey]:
+        if self.armed:  # SeededLoader.__iter__ began this pass and counts what it delivers
+            self.armed = False
+            own = True
+        else:
+            _refuse_resharding()
+            self.begin_pass()
+            own = False
+        return self._keys(self.epoch, self.batches, self.pass_id, own)
+
+    def _keys(self, epoch: int, start: int, pass_id: object, own: bool) -> Iterator[_SampleKey]:
+        batch_size = self.batch_size
         indices = self.shard(epoch)
-        for pos in range(self.start_batch * batch_size, len(indices)):
-            yield (epoch, pos // batch_size, indices[pos])
+        end = len(indices)
+        if self.drop_last:
+            end -= end % batch_size
+        for pos in range(start * batch_size, end):
+            batch = pos // batch_size
+            if not own and pos % batch_size == 0 and self.pass_id is pass_id:
+                self.batches = batch  # a rebuilt loader's pass: the batches handed out so far
+            yield _SampleKey((epoch, batch, indices[pos]))
+        if not own and self.pass_id is pass_id:
+            self.batches, self.finished = self.num_batches(), True
 
     def __len__(self) -> int:
         return self.num_samples
+
+
+def _refuse_resharding() -> None:
+    """Refuse a pass run by accelerate's ``BatchSamplerShard``: it would shard this rank's shard
+    again, and every rank would silently train on a fraction of its data."""
+    frame = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        cls = type(owner)
+        if cls.__name__ == "BatchSamplerShard" and cls.__module__.startswith("accelerate"):
+            raise LoaderConfigError(
+                "A SeededLoader was prepared by accelerate with several processes: accelerate splits "
+                "its batches across processes again, but a SeededLoader already gives each rank its "
+                "own shard (rank and world size from torch.distributed), so every rank would train on "
+                "a fraction of its data. Do not pass the SeededLoader to accelerator.prepare(); move "
+                "each batch to accelerator.device yourself (with the HF Trainer, use "
+                "torchrepro.integrations.transformers.TorchreproTrainer)."
+            )
+        frame = frame.f_back  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,7 +416,14 @@ class _SeededCollate:
 
 
 class _SeededDataset(Dataset[Any]):
-    """Wraps the user's dataset: ``__getitems__`` loads a batch of keys, each sample seeded.
+    """The user's dataset as a ``SeededLoader`` loads it: ``loader.dataset``.
+
+    ``__getitems__`` loads a batch of ``_SampleKey``s, each sample seeded, and collates it seeded;
+    any other index (an int the user passes) goes to the user's dataset unchanged, and so does
+    every attribute it does not define (``loader.dataset.classes``, ``len(loader.dataset)``).
+    Because the seeding lives here, a framework that rebuilds a plain ``DataLoader`` from a
+    SeededLoader's parts (``dataset``, ``batch_sampler``, ``collate_fn``) keeps its batches.
+    Its own attributes start with ``_tr_`` so they never hide one of the user's dataset.
 
     Global RNG states are captured and put back around each batch in the main process only
     (workers' globals belong to no one). Putting them back once per batch is equivalent to once
@@ -301,38 +432,61 @@ class _SeededDataset(Dataset[Any]):
     """
 
     def __init__(self, dataset: Any, seed: int, collate_fn: Any, rng_paths: tuple[_Path, ...]) -> None:
-        self.dataset = dataset
-        self.seed = seed
-        self.collate_fn = collate_fn
-        self.rng_paths = rng_paths
-        self.batched = callable(getattr(dataset, "__getitems__", None))
-        self._derivers: tuple[int, _Deriver, _Deriver, _Deriver | None] | None = None
+        self._tr_source = dataset
+        self._tr_seed = seed
+        self._tr_collate_fn = collate_fn
+        self._tr_rng_paths = rng_paths
+        self._tr_batched = callable(getattr(dataset, "__getitems__", None))
+        self._tr_derivers: tuple[int, _Deriver, _Deriver, _Deriver | None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names this object lacks. Private and dunder names are never forwarded
+        # (pickle and copy look them up before __init__ state exists).
+        if name.startswith(("_tr_", "__")):
+            raise AttributeError(name)
+        return getattr(self._tr_source, name)
+
+    def __repr__(self) -> str:
+        return f"SeededLoader view of {self._tr_source!r}"
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_derivers"] = None  # hash objects do not pickle (spawn workers); rebuilt on use
+        state["_tr_derivers"] = None  # hash objects do not pickle (spawn workers); rebuilt on use
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._tr_source)
 
     def _derivers_for(self, epoch: int) -> tuple[_Deriver, _Deriver, _Deriver | None]:
-        cached = self._derivers
+        cached = self._tr_derivers
         if cached is None or cached[0] != epoch:
-            objects = _Deriver(self.seed, ("object", epoch), 4) if self.rng_paths else None
+            objects = _Deriver(self._tr_seed, ("object", epoch), 4) if self._tr_rng_paths else None
             cached = (
                 epoch,
-                _Deriver(self.seed, ("sample", epoch), 3),
-                _Deriver(self.seed, ("batch", epoch), 3),
+                _Deriver(self._tr_seed, ("sample", epoch), 3),
+                _Deriver(self._tr_seed, ("batch", epoch), 3),
                 objects,
             )
-            self._derivers = cached
+            self._tr_derivers = cached
         return cached[1], cached[2], cached[3]
 
-    def __getitem__(self, key: _Key) -> Any:
-        return self.__getitems__([key]).value
+    def __getitem__(self, key: Any) -> Any:
+        if type(key) is not _SampleKey:
+            return self._tr_source[key]
+        return self._load([key]).value
 
-    def __getitems__(self, keys: Sequence[_Key]) -> _Collated:
+    def __getitems__(self, keys: Sequence[Any]) -> Any:
+        if not keys or type(keys[0]) is not _SampleKey:  # plain indices: the user's dataset, unseeded
+            source = self._tr_source
+            if self._tr_batched:
+                return source.__getitems__(keys)
+            return [source[key] for key in keys]
+        return self._load(keys)
+
+    def _load(self, keys: Sequence[_SampleKey]) -> _Collated:
         np = _numpy()
         in_main = get_worker_info() is None
         if in_main:
@@ -347,8 +501,8 @@ class _SeededDataset(Dataset[Any]):
             epoch, batch_index = keys[0][0], keys[0][1]
             sample_seed, batch_seed, object_seed = self._derivers_for(epoch)
             seed_globals = sample_seeder(np)
-            dataset = self.dataset
-            if self.batched:  # the dataset loads whole batches: seed per batch instead
+            dataset = self._tr_source
+            if self._tr_batched:  # the dataset loads whole batches: seed per batch instead
                 s = batch_seed.one(batch_index)
                 seed_globals(s)
                 active.seed, active.rng = s, None
@@ -363,13 +517,13 @@ class _SeededDataset(Dataset[Any]):
                     seed_globals(s)
                     active.seed, active.rng = s, None
                     if object_seed is not None:
-                        for path in self.rng_paths:
+                        for path in self._tr_rng_paths:
                             _reseed_object(_resolve(dataset, path), object_seed(index, _path_key(path)), np)
                     samples.append(dataset[index])
             s = batch_seed.one(batch_index)
             seed_globals(s)
             active.seed, active.rng = s, None
-            return _Collated(self.collate_fn(samples))
+            return _Collated(self._tr_collate_fn(samples))
         finally:
             active.seed, active.rng = outer
             if in_main:
@@ -406,15 +560,36 @@ _OWNED_KWARGS = {
 }
 
 
-def _distributed_rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+# The worker-seed generators SeededLoaders create: handed back by a framework that rebuilds a
+# SeededLoader from its attributes, they are dropped instead of refused.
+_OWN_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+
+
+def _drop_own_parts(kwargs: dict[str, Any]) -> None:
+    """Drop, from the keyword arguments of a SeededLoader being built, the parts another
+    SeededLoader made (a framework rebuilding one from its attributes passes them back), and
+    unwrap its collate function to the user's."""
+    sampler = kwargs.get("sampler")
+    if isinstance(sampler, _SeededSampler):
+        del kwargs["sampler"]
+    batch_sampler = kwargs.get("batch_sampler")
+    if batch_sampler is not None and isinstance(getattr(batch_sampler, "sampler", None), _SeededSampler):
+        del kwargs["batch_sampler"]
+    if kwargs.get("generator") in _OWN_GENERATORS:
+        del kwargs["generator"]
+    collate_fn = kwargs.get("collate_fn")
+    if isinstance(collate_fn, _SeededCollate):
+        kwargs["collate_fn"] = collate_fn.collate_fn
+
+
+def _fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+    """The shard given as ``rank``/``world_size``, validated; ``None`` to follow torch.distributed."""
     if rank is None and world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return None
     if rank is None or world_size is None:
         raise LoaderConfigError(
             f"SeededLoader got rank={rank!r} and world_size={world_size!r}; pass both, or neither "
-            "to read them from torch.distributed when it is initialised."
+            "to read them from torch.distributed when each pass starts."
         )
     for name, value in (("rank", rank), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -430,22 +605,27 @@ def _distributed_rank_and_size(rank: int | None, world_size: int | None) -> tupl
 class _SeededLoaderIter:
     """One pass of a ``SeededLoader``: counts the batches the training loop receives."""
 
-    def __init__(self, loader: SeededLoader, inner: Iterator[Any], pass_id: object, start: int) -> None:
-        self._loader = loader
+    def __init__(self, sampler: _SeededSampler, inner: Iterator[Any], start: int, end: int) -> None:
+        self._sampler = sampler
         self._inner = inner
-        self._pass_id = pass_id
+        self._pass_id = sampler.pass_id
         self._received = start
-        self._end = len(loader)
+        self._end = end
 
     def __iter__(self) -> _SeededLoaderIter:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._inner)
+        sampler = self._sampler
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            if sampler.pass_id is self._pass_id:
+                sampler.finished = True
+            raise
         self._received += 1
-        loader = self._loader
-        if loader._pass_id is self._pass_id:  # unless a later pass, set_epoch or load_state_dict
-            loader._batches = self._received
+        if sampler.pass_id is self._pass_id:  # unless a later pass, set_epoch or load_state_dict
+            sampler.batches = self._received
         return batch
 
     def __len__(self) -> int:
@@ -461,7 +641,13 @@ class SeededLoader(DataLoader[Any]):
       takes its shard of the same permutation, padded with the first indices like
       ``DistributedSampler``, or with the uneven tail dropped when ``drop_last=True``.
     - **Epochs** advance by themselves: each new ``iter()`` is the next epoch; ``set_epoch(e)``
-      makes the next pass epoch ``e``.
+      makes the next pass epoch ``e`` (keeping a restored position inside epoch ``e``).
+    - **Frameworks**: ``loader.dataset`` is a view of your dataset (``loader.source_dataset``)
+      that seeds each sample and forwards your dataset's attributes; the sampler is a
+      ``DistributedSampler`` (Lightning keeps it) that reads rank and world size when each pass
+      starts. A plain ``DataLoader`` rebuilt from ``dataset``, ``batch_sampler`` and
+      ``collate_fn`` (``accelerator.prepare``) yields the same batches and advances the epoch
+      on each pass.
     - **Randomness**: before ``dataset[i]`` in epoch ``e``, Python ``random``, NumPy's global RNG
       and torch's CPU RNG are seeded from ``derive_seed(seed, "sample", e, i)``, and so are the
       RNG objects the dataset holds (``random.Random``, ``torch.Generator``,
@@ -475,7 +661,8 @@ class SeededLoader(DataLoader[Any]):
       ``persistent_workers``, ``prefetch_factor``, start method and ``pin_memory``.
     - **Resume**: :meth:`state_dict` (JSON) records the position as the batches the training loop
       received; after :meth:`load_state_dict` the next pass continues right after them, skipping
-      by index (no skipped sample is loaded). A finished epoch resumes at the next one.
+      by index (no skipped sample is loaded). A pass that had ended resumes at the next epoch; one
+      saved inside the loop after its last batch resumes into that epoch's empty rest.
 
     ``seed=None`` takes the seed given to ``torchrepro.seed_everything``. Other keyword arguments
     go to ``DataLoader``, except ``sampler``, ``batch_sampler`` and ``generator`` (the loader owns
@@ -502,6 +689,10 @@ class SeededLoader(DataLoader[Any]):
         world_size: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
+        if isinstance(dataset, _SeededDataset):  # rebuilt from another SeededLoader's parts
+            seed = dataset._tr_seed if seed is None else seed
+            dataset = dataset._tr_source
+        _drop_own_parts(dataloader_kwargs)
         if isinstance(dataset, IterableDataset):
             raise UnsupportedDatasetError(
                 f"SeededLoader supports map-style datasets (with __getitem__ and __len__), got the "
@@ -515,6 +706,15 @@ class SeededLoader(DataLoader[Any]):
             raise UnsupportedDatasetError(
                 f"SeededLoader needs a map-style dataset with __getitem__ and __len__, got "
                 f"{type(dataset).__name__}."
+            )
+        if isinstance(dataloader_kwargs.get("sampler"), DistributedSampler):
+            raise LoaderConfigError(
+                "SeededLoader does not accept sampler=DistributedSampler(...): it gives each rank its "
+                "own shard itself (rank and world size from torch.distributed when each pass starts, "
+                "or rank=/world_size=), and its own sampler is a DistributedSampler, which Lightning's "
+                "use_distributed_sampler=True keeps. If a framework injected this sampler, turn that "
+                "off (Lightning: Trainer(use_distributed_sampler=False)) or pass the SeededLoader as "
+                "it is."
             )
         for name, why in _OWNED_KWARGS.items():
             if dataloader_kwargs.get(name) is not None:
@@ -541,7 +741,7 @@ class SeededLoader(DataLoader[Any]):
                     "torchrepro.seed_everything(<int>) before creating the loader."
                 )
         seed = validate_seed(seed)
-        rank, world_size = _distributed_rank_and_size(rank, world_size)
+        shard = _fixed_shard(rank, world_size)
 
         collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
         sampler = _SeededSampler(
@@ -550,15 +750,15 @@ class SeededLoader(DataLoader[Any]):
             batch_size=batch_size,
             shuffle=shuffle,
             drop_last=drop_last,
-            rank=rank,
-            world_size=world_size,
+            shard=shard,
         )
         # Worker base seeds (DataLoader draws one per iterator) come from this generator, reseeded
         # per pass: iter() never draws from the global torch RNG.
         generator = torch.Generator()
         generator.manual_seed(derive_seed(seed, "workers", 0))
+        _OWN_GENERATORS.add(generator)
         super().__init__(
-            dataset,
+            _SeededDataset(dataset, seed, collate_fn, _find_rng_objects(dataset)),
             batch_size=batch_size,
             sampler=sampler,
             num_workers=num_workers,
@@ -569,13 +769,7 @@ class SeededLoader(DataLoader[Any]):
         )
         self._seed = seed
         self._shuffle = shuffle
-        self._rank = rank
-        self._world_size = world_size
-        self._seeded_dataset = _SeededDataset(dataset, seed, collate_fn, _find_rng_objects(dataset))
-        self._epoch = 0
-        self._batches = 0  # batches of the current epoch the training loop received
-        self._pending = True  # the next iter() continues (epoch, batches) instead of advancing
-        self._pass_id: object = object()
+        self._seeded_sampler = sampler
 
     # -- position ---------------------------------------------------------------------------
 
@@ -585,56 +779,63 @@ class SeededLoader(DataLoader[Any]):
         return self._seed
 
     @property
+    def source_dataset(self) -> Any:
+        """The dataset you passed (``loader.dataset`` is a seeding view of it that forwards its
+        attributes and plain indices)."""
+        return self._seeded_sampler_dataset()
+
+    def _seeded_sampler_dataset(self) -> Any:
+        view = self.dataset
+        assert isinstance(view, _SeededDataset)
+        return view._tr_source
+
+    @property
     def epoch(self) -> int:
         """The epoch of the current pass (or of the next one after ``set_epoch``/``load_state_dict``)."""
-        return self._epoch
+        return self._seeded_sampler.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``, from its first batch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
-        self._epoch, self._batches, self._pending = epoch, 0, True
-        self._pass_id = object()
+        """Make the next pass epoch ``epoch``.
+
+        If the loader is positioned inside that epoch (restored by ``load_state_dict``, or a pass
+        left early), the position is kept: ``for epoch in range(start, E): loader.set_epoch(epoch)``
+        after a restore continues right after the last received batch. Any other epoch, or one
+        whose pass has ended, starts from its first batch.
+        """
+        self._seeded_sampler.set_epoch(epoch)
 
     def __iter__(self) -> _SeededLoaderIter:  # type: ignore[override]
-        if not self._pending:
-            self._epoch, self._batches = self._epoch + 1, 0
-        self._pending = False
-        self._pass_id = pass_id = object()
-        sampler = self.sampler
-        assert isinstance(sampler, _SeededSampler)
-        sampler.epoch, sampler.start_batch = self._epoch, self._batches
+        sampler = self._seeded_sampler
+        start = sampler.begin_pass()
+        sampler.armed = True
         assert self.generator is not None
-        self.generator.manual_seed(derive_seed(self._seed, "workers", self._epoch))
-        return _SeededLoaderIter(self, super().__iter__(), pass_id, self._batches)
-
-    def _get_iterator(self) -> Any:
-        # DataLoader's iterators (and workers) load from loader.dataset; hand them the seeding
-        # wrapper through a shallow copy, so that self.dataset stays the user's dataset.
-        view = copy.copy(self)
-        object.__setattr__(view, "dataset", self._seeded_dataset)
-        return DataLoader._get_iterator(view)
+        self.generator.manual_seed(derive_seed(self._seed, "workers", sampler.epoch))
+        return _SeededLoaderIter(sampler, super().__iter__(), start, len(self))
 
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The position as a JSON-serialisable dict: seed, epoch, batches received, sizes, version.
+        """The position as a JSON-serialisable dict: seed, epoch, batches received, whether that
+        pass ended (``finished``), sizes, version.
 
         ``batches_consumed`` counts the batches of ``epoch`` the training loop received (batches
         workers prefetched but did not deliver are not counted).
         """
+        sampler = self._seeded_sampler
+        rank, world_size = _current_shard(sampler.fixed_shard)
         return {
             "version": STATE_VERSION,
             "seed": self._seed,
-            "epoch": self._epoch,
-            "batches_consumed": self._batches,
+            "epoch": sampler.epoch,
+            "batches_consumed": sampler.batches,
+            "finished": sampler.finished,
             "num_batches": len(self),
-            "dataset_length": len(self.dataset),  # type: ignore[arg-type]
+            "dataset_length": sampler.length,
             "batch_size": self.batch_size,
             "drop_last": self.drop_last,
             "shuffle": self._shuffle,
-            "rank": self._rank,
-            "world_size": self._world_size,
+            "rank": rank,
+            "world_size": world_size,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -685,8 +886,14 @@ class SeededLoader(DataLoader[Any]):
                 f"Loader state has batches_consumed={batches}, but an epoch of this loader has only "
                 f"{num_batches} batches."
             )
+        finished = state_dict.get("finished", batches == num_batches)  # absent before 0.1.1
+        if not isinstance(finished, bool):
+            raise DataLoaderStateError(f"Loader state has finished={finished!r}; expected a bool.")
         epoch = state_dict["epoch"]
-        if batches == num_batches:  # the saved pass was finished: continue at the next epoch
+        if finished:  # the saved pass had ended: continue at the next epoch
             epoch, batches = epoch + 1, 0
-        self._epoch, self._batches, self._pending = epoch, batches, True
-        self._pass_id = object()
+        # Saved inside a pass (even after its last batch): the rest of that epoch comes first, so
+        # the code after the loop's inner `for` runs once, as it did in the saved run.
+        sampler = self._seeded_sampler
+        sampler.epoch, sampler.batches, sampler.finished = epoch, batches, False
+        sampler.pending, sampler.armed, sampler.pass_id = True, False, object()

@@ -1,0 +1,73 @@
+"""Train a tiny model with the Hugging Face Trainer; write the final weights of each run.
+
+    python train.py run KIND:WORKERS:DIR [...]        train from scratch, checkpoints every 4 steps
+    python train.py resume KIND:WORKERS:CHECKPOINT:DIR [...]   resume from CHECKPOINT
+
+also under ``torchrun --nproc_per_node 2`` (each process its shard).
+
+KIND is ``repro`` (TorchreproTrainer) or ``stock`` (transformers.Trainer). Each run writes
+``DIR/final.pt`` (the model's state dict) and, for ``repro``, ``DIR/batches.rank<R>.pt`` (the
+inputs of epoch 1 of the train loader, on each process). 44 samples, batch 4, accumulation 2: 11 batches and
+6 optimizer steps per epoch (the last with one batch), 2 epochs, 12 steps. The dataset draws a
+random augmentation from the global torch RNG in ``__getitem__`` and the model has dropout, so the
+data order, the augmentation and the model's RNG stream all show in the weights.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+import transformers
+from noisy import Net, Noisy
+
+from torchrepro.integrations.transformers import TorchreproTrainer
+
+
+def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    args = transformers.TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_train_epochs=2,
+        learning_rate=0.05,
+        save_strategy="steps",
+        save_steps=4,
+        logging_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=workers,
+    )
+    cls: Any = TorchreproTrainer if kind == "repro" else transformers.Trainer
+    trainer = cls(model=model, args=args, train_dataset=Noisy())
+    trainer.train(resume_from_checkpoint=checkpoint)
+    rank = trainer.args.process_index
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(out, "final.pt"))
+    if kind == "repro":  # epoch 1 of the train loader the Trainer iterates, on this process
+        loader = trainer.get_train_dataloader()
+        loader.set_epoch(1)
+        torch.save([batch["x"] for batch in loader], os.path.join(out, f"batches.rank{rank}.pt"))
+
+
+def main(argv: list[str]) -> None:
+    mode, specs = argv[0], argv[1:]
+    for spec in specs:
+        if mode == "run":
+            kind, workers, out = spec.split(":")
+            train(kind, int(workers), out, None)
+        else:
+            kind, workers, checkpoint, out = spec.split(":")
+            train(kind, int(workers), out, checkpoint)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
