@@ -37,6 +37,7 @@ TRAIN = SCRIPTS / "train.py"
 SINGLE = ["--epochs", "2", "--every", "5"]  # checkpoints at steps 5, 10, 15
 SINGLE_KILL, SINGLE_CKPT = 12, "epoch=1-step=10.ckpt"  # last.ckpt: epoch 1 after 2 of 8 batches
 EPOCH_END = ["--epochs", "2", "--every", "8", "--kill-at", "10"]  # last.ckpt: epoch 0's last batch
+FIRST_EPOCH = ["--epochs", "2", "--every", "5", "--kill-at", "7"]  # last.ckpt: epoch 0 after 5 of 8
 DDP = ["--devices", "2", "--epochs", "2", "--every", "3"]  # checkpoints at steps 3, 6
 DDP_KILL, DDP_CKPT = 7, "epoch=1-step=6.ckpt"  # last.ckpt: epoch 1 after 2 of 4 batches
 TIMEOUT = 240
@@ -81,6 +82,9 @@ class Run:
     def final(self) -> dict[str, torch.Tensor]:
         assert self.ok(), self.text()
         return torch.load(self.out / "final.pt", weights_only=True)
+
+    def last(self) -> str:
+        return str(self.out / "ckpt" / "last.ckpt")
 
     def ckpt(self, name: str = "last.ckpt") -> dict[str, Any]:
         return torch.load(self.out / "ckpt" / name, weights_only=True)  # what Lightning does too
@@ -189,6 +193,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         r["under_run"] = runner.start_fresh("under_run", "--epochs", "1", "--every", "4", launcher=run_seed)
         r["kill"] = runner.start("kill", *SINGLE, "--workers", "2", "--kill-at", str(SINGLE_KILL))
         r["kill_epoch_end"] = runner.start("kill_epoch_end", *EPOCH_END, "--workers", "2")
+        r["kill_first_epoch"] = runner.start("kill_first_epoch", *FIRST_EPOCH)
         r["stock_full"] = runner.start("stock_full", *SINGLE, "--variant", "stock")
         stock = [*SINGLE, "--variant", "stock"]
         r["stock_kill"] = runner.start("stock_kill", *stock, "--kill-at", str(SINGLE_KILL))
@@ -198,17 +203,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         # Wave 2: the resumes.
         last = r["kill"].out / "ckpt" / "last.ckpt"
         r["resume"] = runner.start("resume", *SINGLE, "--workers", "2", "--resume", str(last))
-        epoch_end_last = str(r["kill_epoch_end"].out / "ckpt" / "last.ckpt")
         r["resume_epoch_end"] = runner.start(
-            "resume_epoch_end", *EPOCH_END[:4], "--workers", "2", "--resume", epoch_end_last
+            "resume_epoch_end", *EPOCH_END[:4], "--workers", "2", "--resume", r["kill_epoch_end"].last()
+        )
+        r["resume_first_epoch"] = runner.start(
+            "resume_first_epoch", *FIRST_EPOCH[:4], "--resume", r["kill_first_epoch"].last()
         )
         stripped = base / "stripped" / "last.ckpt"
         if last.exists():
             _strip_rng_state(last, stripped)
         r["no_rng"] = runner.start("no_rng", *SINGLE, "--resume", str(stripped))
-        stock_last = str(r["stock_kill"].out / "ckpt" / "last.ckpt")
-        r["stock_resume"] = runner.start("stock_resume", *stock, "--resume", stock_last)
-        ddp_last = str(r["ddp_kill"].out / "ckpt" / "last.ckpt")
+        r["stock_resume"] = runner.start("stock_resume", *stock, "--resume", r["stock_kill"].last())
+        ddp_last = r["ddp_kill"].last()
         r["ddp_resume"] = runner.start("ddp_resume", *DDP, "--resume", ddp_last, ranks=2)
         r["ddp_on_one"] = runner.start("ddp_on_one", *SINGLE, "--resume", ddp_last)
         r["ddp_stock_resume"] = runner.start(
@@ -251,6 +257,15 @@ def test_single_checkpoint_at_an_epochs_last_batch_resumes_exactly(runs: dict[st
     _killed(runs["kill_epoch_end"])
     assert runs["kill_epoch_end"].ckpt()["global_step"] == 8
     assert _same(runs["resume_epoch_end"].final(), runs["full"].final()), runs["resume_epoch_end"].text()
+
+
+def test_single_killed_in_the_first_epoch_and_resumed_equals_uninterrupted(runs: dict[str, Run]) -> None:
+    """Lightning creates the first epoch's iterator before it calls ``set_epoch(0)``."""
+    _killed(runs["kill_first_epoch"])
+    ckpt = runs["kill_first_epoch"].ckpt()
+    assert ckpt["global_step"] == 5 and ckpt["epoch"] == 0
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches_consumed"] == 5
+    assert _same(runs["resume_first_epoch"].final(), runs["full"].final()), runs["resume_first_epoch"].text()
 
 
 def test_single_resumed_without_rng_state_differs(runs: dict[str, Run]) -> None:
