@@ -60,9 +60,6 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         torch.rand(self.global_rank + 1)  # ranks' streams differ: restoring another rank's state shows
-        if os.environ.get("TRAIN_DEBUG"):
-            rng = hash(torch.get_rng_state().numpy().tobytes()) % 10**6
-            print("step", self.global_step, batch_idx, x.sum().item(), rng, flush=True)
         return nn.functional.mse_loss(self.net(x), y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
@@ -89,28 +86,7 @@ class KillAt(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         (self.out / f"pid.rank{trainer.global_rank}").write_text(str(os.getpid()))
 
-    def _debug(self, where: str, trainer: pl.Trainer) -> None:
-        if os.environ.get("TRAIN_DEBUG"):
-            rng = hash(torch.get_rng_state().numpy().tobytes()) % 10**6
-            print(where, trainer.global_step, rng, flush=True)
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("batch_end", trainer)
-
-    def on_validation_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("val_start", trainer)
-
-    def on_validation_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("val_end", trainer)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("epoch_start", trainer)
-
-    def on_train_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("train_start", trainer)
-
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        self._debug("batch_start", trainer)
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -138,8 +114,6 @@ def main(argv: list[str]) -> int:
         torchrepro.seed_everything(SEED)  # before the model is built: same initial weights
         callbacks.append(TorchreproCallback(seed=SEED))
     model = Net(args.variant, args.workers)
-    if os.environ.get("TRAIN_DEBUG"):
-        callbacks.append(KillAt(args.out, None))  # a second probe, after TorchreproCallback
     callbacks.append(
         ModelCheckpoint(
             dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1
