@@ -1,15 +1,14 @@
 """A tiny Lightning fit (dropout, a dataset drawing noise per sample) that can kill itself and resume.
 
 Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers N] [--epochs N]
-       [--every N] [--kill-at STEP] [--resume CKPT] [--no-distributed-sampler]
+       [--every N] [--kill-at STEP] [--resume CKPT]
 
 - ``torchrepro``: ``TorchreproCallback`` and a ``SeededLoader``; ``stock``: no callback, a plain
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
 - Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
   with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
 - Rank 0 writes the final parameters to ``OUT/final.pt`` and the determinism mode in effect
-  to ``OUT/mode.txt``; every rank writes its pid to
-  ``OUT/pid.rank<R>`` at setup. With ``--devices 2`` Lightning starts rank 1 by running this
+  to ``OUT/mode.txt``. With ``--devices 2`` Lightning starts rank 1 by running this
   file again, unless the ranks were started externally (``LOCAL_RANK`` set).
 """
 
@@ -80,11 +79,8 @@ class Net(pl.LightningModule):
 
 
 class KillAt(pl.Callback):
-    def __init__(self, out: Path, step: int | None) -> None:
-        self.out, self.step = out, step
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        (self.out / f"pid.rank{trainer.global_rank}").write_text(str(os.getpid()))
+    def __init__(self, step: int | None) -> None:
+        self.step = step
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.step:
@@ -101,13 +97,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--no-distributed-sampler", action="store_true")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=PossibleUserWarning)  # few workers, few batches
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    callbacks: list[pl.Callback] = [KillAt(args.out, args.kill_at)]
+    callbacks: list[pl.Callback] = [KillAt(args.kill_at)]
     if args.variant == "stock":
         pl.seed_everything(SEED, verbose=False)
     else:
@@ -129,7 +124,6 @@ def main(argv: list[str]) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=1,
-        use_distributed_sampler=not args.no_distributed_sampler,
     )
     trainer.fit(model, ckpt_path=args.resume)
     if trainer.is_global_zero:
