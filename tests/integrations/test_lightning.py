@@ -190,7 +190,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
         r["full"] = runner.start_fresh("full", *SINGLE)
         r["ddp_full"] = runner.start_fresh("ddp_full", *DDP)
         run_seed = ("-m", "torchrepro", "run", "--seed", "3", "--mode", "warn")
-        r["under_run"] = runner.start_fresh("under_run", "--epochs", "1", "--every", "4", launcher=run_seed)
+        r["under_run"] = runner.start_fresh("under_run", *DDP[:2], "--epochs", "1", launcher=run_seed)
         r["kill"] = runner.start("kill", *SINGLE, "--workers", "2", "--kill-at", str(SINGLE_KILL))
         r["kill_epoch_end"] = runner.start("kill_epoch_end", *EPOCH_END, "--workers", "2")
         r["kill_first_epoch"] = runner.start("kill_first_epoch", *FIRST_EPOCH)
@@ -314,11 +314,12 @@ def test_ddp_checkpoint_resumed_on_one_process_is_refused(runs: dict[str, Run]) 
 
 
 def test_under_torchrepro_run_the_runs_settings_are_kept(runs: dict[str, Run]) -> None:
-    """``TorchreproCallback(seed=0, mode="strict")`` under ``torchrepro run --seed 3 --mode warn``."""
+    """``TorchreproCallback(seed=0, mode="strict")`` under ``torchrepro run --seed 3 --mode warn``,
+    2-rank DDP: rank 0 was set up by the run, rank 1 is started by Lightning (not by the run)."""
     run = runs["under_run"]
     assert run.ok(), run.text()
     assert "`torchrepro run --seed 3 --mode warn`: the run's seed and mode are kept" in run.text()
-    assert (run.out / "mode.txt").read_text() == "warn"
+    assert [(run.out / f"mode.rank{r}.txt").read_text() for r in (0, 1)] == ["warn", "warn"]
 
 
 # -- imports -----------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
 - Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
   with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
-- Rank 0 writes the final parameters to ``OUT/final.pt`` and the determinism mode in effect
-  to ``OUT/mode.txt``. With ``--devices 2`` Lightning starts rank 1 by running this
+- Rank 0 writes the final parameters to ``OUT/final.pt``, every rank the determinism mode in
+  effect to ``OUT/mode.rank<R>.txt``. With ``--devices 2`` Lightning starts rank 1 by running this
   file again, unless the ranks were started externally (``LOCAL_RANK`` set).
 """
 
@@ -126,9 +126,9 @@ def main(argv: list[str]) -> int:
         num_sanity_val_steps=1,
     )
     trainer.fit(model, ckpt_path=args.resume)
+    (args.out / f"mode.rank{trainer.global_rank}.txt").write_text(torchrepro.status().mode)
     if trainer.is_global_zero:
         torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / "final.pt")
-        (args.out / "mode.txt").write_text(torchrepro.status().mode)
     return 0
 
 
