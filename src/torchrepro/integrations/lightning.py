@@ -14,7 +14,8 @@ Invariants:
   draws from torch's global RNG) and after the batch is fetched (a ``SeededLoader`` leaves the
   global streams as they were), so the first resumed step draws what the uninterrupted run drew.
 - During ``fit``, validation (and the sanity check) never moves the RNG streams training draws
-  from: they are put back as they were after the last training batch's callbacks ran. So a
+  from: after a validation pass they are put back as this callback's ``on_train_batch_end`` saw
+  them (after the sanity check, as they were before it). So a
   checkpoint written right before a validation pass (``every_n_train_steps`` at an epoch's end)
   resumes like any other, and adding validation does not shift training.
 """
