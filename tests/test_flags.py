@@ -337,3 +337,28 @@ def test_status_changes_nothing(saved: DeterminismFlags) -> None:
         status()
     assert DeterminismFlags.capture() == saved
     assert not torch.cuda.is_initialized()
+
+
+def test_strict_mode_does_not_import_inductor_but_inductor_still_compiles_deterministically() -> None:
+    """torch.use_deterministic_algorithms imports Inductor (about a second of start-up) to set its
+    deterministic mode; set_determinism gets the same effect without the import."""
+    code = (
+        "import sys, torch, torchrepro\n"
+        "torchrepro.set_determinism('strict')\n"
+        "before = 'torch._inductor.config' in sys.modules\n"
+        "import torch._inductor.config as c\n"
+        "print(before, torch.are_deterministic_algorithms_enabled(), c.deterministic)\n"
+        "torchrepro.set_determinism('off')\n"
+        "print(torch.are_deterministic_algorithms_enabled(), c.deterministic)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_DETERMINISTIC"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["False True True", "False False"]
+    # the stock path imports it: the control that shows the check above can fail
+    stock = (
+        "import sys, torch\ntorch.use_deterministic_algorithms(True)\nprint('torch._inductor' in sys.modules)"
+    )
+    control = subprocess.run(
+        [sys.executable, "-c", stock], env=env, capture_output=True, text=True, check=True
+    )
+    assert control.stdout.strip() == "True"

@@ -166,7 +166,7 @@ class DeterminismFlags:
 
     def restore(self) -> None:
         """Put every switch back as captured; unset ``CUBLAS_WORKSPACE_CONFIG`` if it was unset."""
-        torch.use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.warn_only)
+        _use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.warn_only)
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         # The legacy switches are views of the per-backend tree plus a little hidden state: set
@@ -206,6 +206,31 @@ def _cublas_fix() -> str:
     )
 
 
+_INDUCTOR_DETERMINISTIC = "TORCHINDUCTOR_DETERMINISTIC"
+
+
+def _use_deterministic_algorithms(mode: bool, *, warn_only: bool) -> None:
+    """``torch.use_deterministic_algorithms`` without importing Inductor (about a second of start-up).
+
+    torch's function also sets ``torch._inductor.config.deterministic``, importing Inductor and
+    dynamo to do it. While Inductor is not imported, the same effect is had by setting the C++
+    switch and ``TORCHINDUCTOR_DETERMINISTIC``, which Inductor's config reads when it is imported
+    (a later ``torch.compile`` still compiles deterministically). Once Inductor is imported, or
+    where ``torch.use_deterministic_algorithms`` was replaced (the audit's probe records the
+    request), torch's function is called as it is.
+    """
+    function = torch.use_deterministic_algorithms
+    setter = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if "torch._inductor.config" in sys.modules or hasattr(function, "__wrapped__") or setter is None:
+        function(mode, warn_only=warn_only)
+        return
+    if mode:
+        os.environ[_INDUCTOR_DETERMINISTIC] = "1"
+    elif os.environ.get(_INDUCTOR_DETERMINISTIC) == "1":
+        del os.environ[_INDUCTOR_DETERMINISTIC]
+    setter(mode, warn_only=warn_only)
+
+
 def set_determinism(mode: str = "strict") -> DeterminismFlags:
     """Set every determinism switch for ``mode`` and return the previous flags.
 
@@ -230,9 +255,9 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
         set_cublas = _plan_cublas(mode, previous.cublas_workspace_config)
     # Nothing has been changed above this line.
     if mode == "off":
-        torch.use_deterministic_algorithms(False)
+        _use_deterministic_algorithms(False, warn_only=False)
     else:
-        torch.use_deterministic_algorithms(True, warn_only=mode == "warn")
+        _use_deterministic_algorithms(True, warn_only=mode == "warn")
     torch.backends.cudnn.deterministic = mode != "off"
     torch.backends.cudnn.benchmark = False
     torch.set_float32_matmul_precision("highest")
