@@ -1,0 +1,136 @@
+"""A tiny Lightning fit (dropout, a dataset drawing noise per sample) that can kill itself and resume.
+
+Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers N] [--epochs N]
+       [--every N] [--kill-at STEP] [--resume CKPT]
+
+- ``torchrepro``: ``TorchreproCallback`` and a ``SeededLoader``; ``stock``: no callback, a plain
+  ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
+- Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
+  with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
+- Rank 0 writes the final parameters to ``OUT/final.pt``, every rank the determinism mode in
+  effect to ``OUT/mode.rank<R>.txt``. With ``--devices 2`` Lightning starts rank 1 by running this
+  file again, unless the ranks were started externally (``LOCAL_RANK`` set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import torchrepro
+from torchrepro.integrations.lightning import TorchreproCallback
+
+SEED = 0
+
+
+class NoisyPoints(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Fixed points plus noise drawn from the global torch RNG on every load (augmentation)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+class Net(pl.LightningModule):
+    def __init__(self, variant: str, workers: int) -> None:
+        super().__init__()
+        self.variant, self.workers = variant, workers
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        torch.rand(self.global_rank + 1)  # ranks' streams differ: restoring another rank's state shows
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = NoisyPoints(32)
+        if self.variant == "stock":
+            return DataLoader(data, batch_size=4, shuffle=True, num_workers=self.workers)
+        return torchrepro.SeededLoader(data, batch_size=4, num_workers=self.workers)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(NoisyPoints(8), batch_size=4)
+
+
+class KillAt(pl.Callback):
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--variant", choices=["torchrepro", "stock"], default="torchrepro")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=PossibleUserWarning)  # few workers, few batches
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    callbacks: list[pl.Callback] = [KillAt(args.kill_at)]
+    if args.variant == "stock":
+        pl.seed_everything(SEED, verbose=False)
+    else:
+        torchrepro.seed_everything(SEED)  # before the model is built: same initial weights
+        callbacks.append(TorchreproCallback(seed=SEED))
+    model = Net(args.variant, args.workers)
+    callbacks.append(
+        ModelCheckpoint(
+            dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1
+        )
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy="ddp" if args.devices > 1 else "auto",
+        max_epochs=args.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=1,
+    )
+    trainer.fit(model, ckpt_path=args.resume)
+    (args.out / f"mode.rank{trainer.global_rank}.txt").write_text(torchrepro.status().mode)
+    if trainer.is_global_zero:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.out / "final.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,360 @@
+"""``TorchreproCallback`` with real Lightning: a fit SIGKILLed mid-epoch and resumed from its last
+checkpoint ends with the same parameter bits as the uninterrupted fit, on 1 process and on 2-rank
+DDP (gloo, CPU); the stock Lightning path resumed the same way differs (the negative controls).
+
+The model has dropout and the dataset draws noise from the global torch RNG on every load
+(``lightning_scripts/train.py``). The uninterrupted references run as plain fresh interpreters
+(for DDP, Lightning starts rank 1 itself by running the script again). The other runs are forked
+from a *zygote* that has imported Lightning once (``lightning_scripts/zygote.py``), with DDP ranks
+started externally (``LOCAL_RANK``): each is a new process that starts from nothing but its
+arguments and the checkpoint file, and the fresh references show they give the same bits.
+All runs start together in one module fixture and every test reads their results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "lightning_scripts"
+TRAIN = SCRIPTS / "train.py"
+
+# 32 samples, batches of 4: 8 batches an epoch on 1 process, 4 per rank on 2 ranks.
+SINGLE = ["--epochs", "2", "--every", "5"]  # checkpoints at steps 5, 10, 15
+SINGLE_KILL, SINGLE_CKPT = 12, "epoch=1-step=10.ckpt"  # last.ckpt: epoch 1 after 2 of 8 batches
+EPOCH_END = ["--epochs", "2", "--every", "8", "--kill-at", "10"]  # last.ckpt: epoch 0's last batch
+FIRST_EPOCH = ["--epochs", "2", "--every", "5", "--kill-at", "7"]  # last.ckpt: epoch 0 after 5 of 8
+DDP = ["--devices", "2", "--epochs", "2", "--every", "3"]  # checkpoints at steps 3, 6
+DDP_KILL, DDP_CKPT = 7, "epoch=1-step=6.ckpt"  # last.ckpt: epoch 1 after 2 of 4 batches
+TIMEOUT = 240
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHREPRO_", "PL_"))}
+    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@dataclass
+class Run:
+    """One training run: its directory, its log(s), and its exit code(s) once waited for."""
+
+    name: str
+    out: Path
+    logs: list[Path]
+    codes: list[int] = field(default_factory=list)
+
+    def text(self) -> str:
+        parts = [f"--- {log.name} ---\n{log.read_text() if log.exists() else ''}" for log in self.logs]
+        return f"run {self.name}: exit codes {self.codes}\n" + "\n".join(parts)
+
+    def ok(self) -> bool:
+        return bool(self.codes) and all(code == 0 for code in self.codes)
+
+    def final(self) -> dict[str, torch.Tensor]:
+        assert self.ok(), self.text()
+        return torch.load(self.out / "final.pt", weights_only=True)
+
+    def last(self) -> str:
+        return str(self.out / "ckpt" / "last.ckpt")
+
+    def ckpt(self, name: str = "last.ckpt") -> dict[str, Any]:
+        return torch.load(self.out / "ckpt" / name, weights_only=True)  # what Lightning does too
+
+
+class Runner:
+    """Starts fresh interpreters and zygote children; every process is in a session it ends."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.fresh: dict[str, subprocess.Popen[bytes]] = {}
+        self.zygote = subprocess.Popen(
+            [sys.executable, str(SCRIPTS / "zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            start_new_session=True,
+        )
+        self.pending: dict[str, tuple[Run, list[int]]] = {}
+
+    def start_fresh(self, name: str, *argv: str, launcher: tuple[str, ...] = ()) -> Run:
+        run = Run(name, self.base / name, [self.base / f"{name}.log"])
+        with open(run.logs[0], "wb") as log:
+            self.fresh[name] = subprocess.Popen(
+                [sys.executable, *launcher, str(TRAIN), str(run.out), *argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                start_new_session=True,
+            )
+        self.pending[name] = (run, [])
+        return run
+
+    def _fork(self, argv: list[str], env: dict[str, str], log: Path) -> int:
+        assert self.zygote.stdin is not None and self.zygote.stdout is not None
+        cmd = {"op": "run", "argv": argv, "env": env, "log": str(log)}
+        self.zygote.stdin.write(json.dumps(cmd) + "\n")
+        self.zygote.stdin.flush()
+        return int(self.zygote.stdout.readline())
+
+    def start(self, name: str, *argv: str, ranks: int = 1) -> Run:
+        run = Run(name, self.base / name, [self.base / f"{name}.rank{r}.log" for r in range(ranks)])
+        full = [str(run.out), *argv]
+        if ranks == 1:
+            pids = [self._fork(full, {}, run.logs[0])]
+        else:  # ranks started externally, like torchrun: Lightning launches nothing itself
+            port = str(_free_port())
+            pids = [
+                self._fork(
+                    full,
+                    {
+                        "LOCAL_RANK": str(r),
+                        "NODE_RANK": "0",
+                        "WORLD_SIZE": str(ranks),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port,
+                    },
+                    log,
+                )
+                for r, log in enumerate(run.logs)
+            ]
+        self.pending[name] = (run, pids)
+        return run
+
+    def wait(self, *runs: Run) -> None:
+        assert self.zygote.stdin is not None and self.zygote.stdout is not None
+        for run in runs:
+            _, pids = self.pending.pop(run.name)
+            if run.name in self.fresh:
+                run.codes.append(self.fresh.pop(run.name).wait(timeout=TIMEOUT))
+                continue
+            for pid in pids:
+                self.zygote.stdin.write(json.dumps({"op": "wait", "pid": pid}) + "\n")
+                self.zygote.stdin.flush()
+                run.codes.append(int(self.zygote.stdout.readline()))
+
+    def close(self) -> None:
+        for proc in [*self.fresh.values(), self.zygote]:
+            if proc.poll() is None or proc is self.zygote:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the session this runner created, only it
+            proc.wait()
+        for pipe in (self.zygote.stdin, self.zygote.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _strip_rng_state(src: Path, dst: Path) -> None:
+    ckpt = torch.load(src, weights_only=True)
+    del ckpt["callbacks"]["TorchreproCallback"]
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(ckpt, dst)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    base = tmp_path_factory.mktemp("lightning")
+    runner = Runner(base)
+    try:
+        r: dict[str, Run] = {}
+        # Wave 1: the uninterrupted references as fresh interpreters, the first half of the rest.
+        r["full"] = runner.start_fresh("full", *SINGLE)
+        r["ddp_full"] = runner.start_fresh("ddp_full", *DDP)
+        run_seed = ("-m", "torchrepro", "run", "--seed", "3", "--mode", "warn")
+        r["under_run"] = runner.start_fresh("under_run", *DDP[:2], "--epochs", "1", launcher=run_seed)
+        r["kill"] = runner.start("kill", *SINGLE, "--workers", "2", "--kill-at", str(SINGLE_KILL))
+        r["kill_epoch_end"] = runner.start("kill_epoch_end", *EPOCH_END, "--workers", "2")
+        r["kill_first_epoch"] = runner.start("kill_first_epoch", *FIRST_EPOCH)
+        r["stock_full"] = runner.start("stock_full", *SINGLE, "--variant", "stock")
+        stock = [*SINGLE, "--variant", "stock"]
+        r["stock_kill"] = runner.start("stock_kill", *stock, "--kill-at", str(SINGLE_KILL))
+        r["ddp_kill"] = runner.start("ddp_kill", *DDP, "--kill-at", str(DDP_KILL), ranks=2)
+        r["ddp_stock_full"] = runner.start("ddp_stock_full", *DDP, "--variant", "stock", ranks=2)
+        runner.wait(*(run for run in r.values() if run.name not in runner.fresh))
+        # Wave 2: the resumes.
+        last = r["kill"].out / "ckpt" / "last.ckpt"
+        r["resume"] = runner.start("resume", *SINGLE, "--workers", "2", "--resume", str(last))
+        r["resume_epoch_end"] = runner.start(
+            "resume_epoch_end", *EPOCH_END[:4], "--workers", "2", "--resume", r["kill_epoch_end"].last()
+        )
+        r["resume_first_epoch"] = runner.start(
+            "resume_first_epoch", *FIRST_EPOCH[:4], "--resume", r["kill_first_epoch"].last()
+        )
+        stripped = base / "stripped" / "last.ckpt"
+        if last.exists():
+            _strip_rng_state(last, stripped)
+        r["no_rng"] = runner.start("no_rng", *SINGLE, "--resume", str(stripped))
+        r["stock_resume"] = runner.start("stock_resume", *stock, "--resume", r["stock_kill"].last())
+        ddp_last = r["ddp_kill"].last()
+        r["ddp_resume"] = runner.start("ddp_resume", *DDP, "--resume", ddp_last, ranks=2)
+        r["ddp_on_one"] = runner.start("ddp_on_one", *SINGLE, "--resume", ddp_last)
+        r["ddp_stock_resume"] = runner.start(
+            "ddp_stock_resume",
+            *DDP,
+            "--variant",
+            "stock",
+            "--resume",
+            str(r["ddp_stock_full"].out / "ckpt" / DDP_CKPT),
+            ranks=2,
+        )
+        runner.wait(*(run for run in r.values() if not run.codes and run.name not in runner.fresh))
+        runner.wait(r["full"], r["ddp_full"], r["under_run"])
+        yield r
+    finally:
+        runner.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _killed(run: Run) -> None:
+    assert run.codes and all(code == -9 for code in run.codes), run.text()
+
+
+# -- 1 process ---------------------------------------------------------------------------------
+
+
+def test_single_killed_mid_epoch_and_resumed_equals_uninterrupted(runs: dict[str, Run]) -> None:
+    _killed(runs["kill"])
+    ckpt = runs["kill"].ckpt()
+    assert ckpt["global_step"] == 10 and ckpt["epoch"] == 1  # 2 of the 8 batches of epoch 1
+    state = ckpt["callbacks"]["TorchreproCallback"]
+    assert state["world_size"] == 1 and len(state["rng"]) == 1
+    # The uninterrupted run loads with num_workers=0, the killed and resumed ones with 2.
+    assert _same(runs["resume"].final(), runs["full"].final()), runs["resume"].text()
+
+
+def test_single_checkpoint_at_an_epochs_last_batch_resumes_exactly(runs: dict[str, Run]) -> None:
+    """Lightning validates right after that checkpoint and, resumed, skips it: validation must not
+    move the training streams. Checkpointing every 8 steps instead of 5 changes nothing either."""
+    _killed(runs["kill_epoch_end"])
+    assert runs["kill_epoch_end"].ckpt()["global_step"] == 8
+    assert _same(runs["resume_epoch_end"].final(), runs["full"].final()), runs["resume_epoch_end"].text()
+
+
+def test_single_killed_in_the_first_epoch_and_resumed_equals_uninterrupted(runs: dict[str, Run]) -> None:
+    """Lightning creates the first epoch's iterator before it calls ``set_epoch(0)``."""
+    _killed(runs["kill_first_epoch"])
+    ckpt = runs["kill_first_epoch"].ckpt()
+    assert ckpt["global_step"] == 5 and ckpt["epoch"] == 0
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches_consumed"] == 5
+    assert _same(runs["resume_first_epoch"].final(), runs["full"].final()), runs["resume_first_epoch"].text()
+
+
+def test_single_resumed_without_rng_state_differs(runs: dict[str, Run]) -> None:
+    """Negative control: the same checkpoint without the callback's RNG states."""
+    assert "without RNG states" in runs["no_rng"].text()
+    assert not _same(runs["no_rng"].final(), runs["full"].final())
+
+
+def test_single_stock_lightning_resumed_mid_epoch_differs(runs: dict[str, Run]) -> None:
+    """Negative control: no callback, a shuffling DataLoader, ``lightning.seed_everything``."""
+    _killed(runs["stock_kill"])
+    at_kill = runs["stock_kill"].ckpt()
+    assert at_kill["global_step"] == 10
+    # The stock run is reproducible up to the checkpoint: the difference comes from the resume.
+    assert _same(at_kill["state_dict"], runs["stock_full"].ckpt(SINGLE_CKPT)["state_dict"])
+    assert not _same(runs["stock_resume"].final(), runs["stock_full"].final())
+
+
+# -- 2-rank DDP --------------------------------------------------------------------------------
+
+
+def test_ddp_killed_mid_epoch_and_resumed_equals_uninterrupted(runs: dict[str, Run]) -> None:
+    _killed(runs["ddp_kill"])
+    ckpt = runs["ddp_kill"].ckpt()
+    assert ckpt["global_step"] == 6 and ckpt["epoch"] == 1  # 2 of the 4 batches of epoch 1
+    state = ckpt["callbacks"]["TorchreproCallback"]
+    assert state["world_size"] == 2
+    assert not torch.equal(state["rng"][0]["torch"], state["rng"][1]["torch"])  # one state per rank
+    # The reference ran as `python train.py --devices 2` with rank 1 started by Lightning.
+    assert _same(runs["ddp_resume"].final(), runs["ddp_full"].final()), runs["ddp_resume"].text()
+
+
+def test_ddp_stock_lightning_resumed_mid_epoch_differs(runs: dict[str, Run]) -> None:
+    """Negative control: the stock path resumed from the uninterrupted run's own mid-epoch checkpoint."""
+    assert runs["ddp_stock_full"].ckpt(DDP_CKPT)["global_step"] == 6
+    assert not _same(runs["ddp_stock_resume"].final(), runs["ddp_stock_full"].final())
+
+
+def test_ddp_checkpoint_resumed_on_one_process_is_refused(runs: dict[str, Run]) -> None:
+    run = runs["ddp_on_one"]
+    assert run.codes and run.codes[0] != 0
+    assert "holds the RNG states of 2 rank(s), but this run has 1" in run.text(), run.text()
+
+
+# -- under `torchrepro run` ------------------------------------------------------------------
+
+
+def test_under_torchrepro_run_the_runs_settings_are_kept(runs: dict[str, Run]) -> None:
+    """``TorchreproCallback(seed=0, mode="strict")`` under ``torchrepro run --seed 3 --mode warn``,
+    2-rank DDP: rank 0 was set up by the run, rank 1 is started by Lightning (not by the run)."""
+    run = runs["under_run"]
+    assert run.ok(), run.text()
+    assert "`torchrepro run --seed 3 --mode warn`: the run's seed and mode are kept" in run.text()
+    assert [(run.out / f"mode.rank{r}.txt").read_text() for r in (0, 1)] == ["warn", "warn"]
+
+
+# -- imports -----------------------------------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120, check=False
+    )
+
+
+def test_import_torchrepro_does_not_import_lightning() -> None:
+    code = (
+        "import sys, torchrepro, torchrepro.integrations\n"
+        "torchrepro.seed_everything(0)\n"
+        "print([m for m in sys.modules if m.split('.')[0] in "
+        "('lightning', 'pytorch_lightning', 'lightning_fabric', 'transformers')])"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("blocked", [("lightning",), ("lightning", "pytorch_lightning")])
+def test_missing_lightning_names_the_extra(blocked: tuple[str, ...]) -> None:
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "try:\n"
+        "    import torchrepro.integrations.lightning\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(type(exc).__name__, exc.name, '|', exc)\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ModuleNotFoundError lightning |"), proc.stdout
+    assert "`pip install torchrepro[lightning]`" in proc.stdout
+    assert ("pytorch_lightning is installed" in proc.stdout) == ("pytorch_lightning" not in blocked)
