@@ -37,33 +37,12 @@ STEPS = 60  # 5 epochs of 12 batches
 SLOW_WRITE = "0.003"  # seconds after each write call: a checkpoint save takes ~0.3 s
 
 ZYGOTE = r"""
-import json, os, sys, traceback
+import sys
 import torch, torch._dynamo  # the expensive imports, once
-sys.path.insert(0, sys.argv[1])
-import resume_cnn
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import forking, resume_cnn
 
-for line in sys.stdin:
-    cmd = json.loads(line)
-    if cmd["op"] == "run":
-        pid = os.fork()
-        if pid == 0:
-            rc = 1
-            try:
-                fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.environ.update(cmd["env"])
-                rc = resume_cnn.main(cmd["argv"])
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        print(pid, flush=True)
-    elif cmd["op"] == "wait":
-        _, status = os.waitpid(cmd["pid"], 0)
-        print(os.waitstatus_to_exitcode(status), flush=True)
+forking.serve(resume_cnn.main)
 """
 
 
@@ -81,7 +60,7 @@ class Zygote:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", ZYGOTE, str(EXAMPLE.parent)],
+            [sys.executable, "-c", ZYGOTE, str(EXAMPLE.parent), str(ROOT / "tests")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

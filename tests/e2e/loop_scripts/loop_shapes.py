@@ -63,6 +63,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import torchrepro
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import forking
+
 SEED = 1234
 EPOCHS = 3
 N_TRAIN, N_VAL, BATCH = 18, 8, 4  # 5 training batches per epoch (the last of 2), 2 validation
@@ -371,27 +374,13 @@ def scramble_objects(objects: dict[str, Any]) -> None:
 
 def in_child(work: Callable[[], None], log: Path) -> int:
     """Run ``work`` in a forked child (stdout and stderr to ``log``); its exit code."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            signal.alarm(CHILD_TIMEOUT_S)  # a hung child dies (SIGALRM) instead of hanging the test
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            warnings.simplefilter("error")  # like the test suite's filterwarnings = error
-            work()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+
+    def guarded() -> None:
+        signal.alarm(CHILD_TIMEOUT_S)  # a hung child dies (SIGALRM) instead of hanging the test
+        warnings.simplefilter("error")  # like the test suite's filterwarnings = error
+        work()
+
+    return forking.wait(forking.start(guarded, log=log))
 
 
 def run_job(job: Job, directory: Path) -> dict[str, Any]:

@@ -11,15 +11,16 @@ explicitly. Writes ``rank<R>.json``: the dataset indices of each, and the loader
 from __future__ import annotations
 
 import json
-import os
 import sys
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import torchrepro
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import forking
 
 N, BATCH, SEED, WORLD = 12, 4, 5, 2
 
@@ -57,22 +58,8 @@ def rank_main(rank: int, out_dir: Path) -> None:
 def main() -> int:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
-    pids = []
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                rank_main(rank, out_dir)
-                code = 0
-            except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    pids = [forking.start(lambda rank=rank: rank_main(rank, out_dir)) for rank in range(WORLD)]
+    codes = [forking.wait(pid) for pid in pids]
     return max(codes, key=abs)
 
 
