@@ -77,6 +77,15 @@ def test_vary_workers_exposes_worker_randomness_in_a_plain_dataloader(tmp_path: 
     assert verdict["first_divergence"]["step"] == 0
 
 
+def test_vary_workers_survives_a_loader_rebuilt_by_accelerate(tmp_path: Path) -> None:
+    """accelerator.prepare rebuilds the loader from the varied one: the variation must stay."""
+    code, verdict, err = check(tmp_path, script("worker_random_accelerate.py"))
+    assert (code, verdict["reproducible"]) == (0, True), err
+    code, verdict, err = check(tmp_path, "--vary", "workers", script("worker_random_accelerate.py"))
+    assert code == 1, err
+    assert verdict["first_divergence"]["kind"] == "data"
+
+
 def test_urandom_reseed_before_step_5_is_a_compute_divergence_at_step_5(tmp_path: Path) -> None:
     code, verdict, err = check(tmp_path, "--no-locate", "--runs", "3", script("urandom_reseed.py"))
     assert code == 1, err

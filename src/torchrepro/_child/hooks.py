@@ -123,14 +123,27 @@ def _counter(name: str) -> int:
 
 
 def _patch_num_workers(loader_cls: type, mapping: Callable[[int], int]) -> None:
+    """Make every DataLoader load with ``mapping(num_workers)`` workers.
+
+    A loader built over a dataset an earlier loader already varied keeps that loader's varied
+    count: frameworks rebuild a loader from the varied one (``accelerator.prepare`` passes its
+    ``num_workers`` on), and mapping again would undo the variation (2 -> 0 -> 2).
+    """
     original_init = loader_cls.__init__  # type: ignore[misc]
     signature = inspect.signature(original_init)
+    varied: dict[int, tuple[object, int]] = {}  # id(dataset) -> (dataset, its varied count)
 
     def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
-        new = mapping(int(arguments.get("num_workers", 0) or 0))
+        dataset = arguments.get("dataset")
+        earlier = varied.get(id(dataset))
+        if earlier is not None and earlier[0] is dataset:
+            new = earlier[1]
+        else:
+            new = mapping(int(arguments.get("num_workers", 0) or 0))
+            varied[id(dataset)] = (dataset, new)
         arguments["num_workers"] = new
         if new == 0:
             arguments["prefetch_factor"] = None
