@@ -358,6 +358,21 @@ def test_bad_trace_files_raise_trace_error_naming_the_file(tmp_path: Path) -> No
         compare_traces(good, broken)
 
 
+def test_traces_digested_with_other_algorithms_are_refused_not_compared(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        with trace(path):
+            torch.ones(2).add(1)
+    doc = json.loads(a.read_text())
+    assert doc["digest"] == "xxh3_128"
+    assert compare_traces(a, b) is None  # control: same algorithm, same values
+    legacy = tmp_path / "legacy.json"  # written before the header named its algorithm (SHA-1)
+    legacy.write_text(json.dumps({k: v for k, v in doc.items() if k != "digest"}))
+    with pytest.raises(TraceError, match=r"different algorithms \(xxh3_128 and sha1\)"):
+        compare_traces(a, legacy)
+    assert compare_traces(legacy, legacy) is None  # two legacy traces still compare
+
+
 def test_compiled_modules_are_recorded_without_dynamo_tracing_the_recorder(
     monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
 ) -> None:

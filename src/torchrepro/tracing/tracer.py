@@ -13,7 +13,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import threading
@@ -26,8 +25,8 @@ import torch
 
 from torchrepro._io import atomic_write_json
 from torchrepro.errors import TraceError
+from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
-from torchrepro.hashing import fingerprinting
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
 from torchrepro.tracing.events import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
 
@@ -127,7 +126,7 @@ def _scalar_text(value: Any) -> str:
 
 
 def _short_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return bytes_digest(text.encode())
 
 
 def _scalar_token(parts: list[str]) -> str:
@@ -212,6 +211,7 @@ class Tracer(_Observer):
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
             "torch": torch.__version__,
+            "digest": EXACT_DIGEST,
             "rank": rank,
             "ops": list(self._op_index),
             "sites": [list(site) for site in self._site_index],
