@@ -65,12 +65,17 @@ _C2 = _signed(0x94D049BB133111EB)
 _MASK32 = (1 << 32) - 1
 _MASK35 = (1 << 35) - 1
 
-_active = threading.local()
+
+class _Depth(threading.local):
+    depth = 0  # a class default: reading it is cheap in every thread (op recorders ask on every op)
+
+
+_active = _Depth()
 
 
 def fingerprinting() -> bool:
     """Whether this thread is inside ``fingerprint`` (op recorders ignore the ops it runs)."""
-    return bool(getattr(_active, "depth", 0))
+    return _active.depth > 0
 
 
 def fingerprint(obj: Any) -> str:
@@ -90,7 +95,7 @@ def fingerprint(obj: Any) -> str:
     >>> len(fingerprint({"w": t, "step": 3}))
     32
     """
-    _active.depth = getattr(_active, "depth", 0) + 1
+    _active.depth += 1
     try:
         return _Hasher().digest(obj, "obj").hex()
     finally:
@@ -499,11 +504,14 @@ def chunks(data: memoryview, size: int = _DIGEST_CHUNK_BYTES) -> list[memoryview
 #: traces hashed alike): XXH3-128 over a header and the raw bytes.
 EXACT_DIGEST = "xxh3_128"
 
+# Tensors of at most this many bytes are copied and hashed in one call (cheaper than streaming).
+_COPY_BYTES = 1 << 12
 _xxh3_128: Any = None
+_xxh3_128_hex: Any = None
 
 
 def _load_xxh3() -> Any:
-    global _xxh3_128
+    global _xxh3_128, _xxh3_128_hex
     try:
         import xxhash
     except ImportError:
@@ -511,13 +519,18 @@ def _load_xxh3() -> Any:
             "torchrepro's op traces hash tensors with XXH3-128 from the xxhash package, which is not "
             "installed; install it with `pip install 'xxhash>=3.0'` (or reinstall torchrepro)."
         ) from None
-    _xxh3_128 = xxhash.xxh3_128
+    _xxh3_128, _xxh3_128_hex = xxhash.xxh3_128, xxhash.xxh3_128_hexdigest
     return _xxh3_128
+
+
+def _load_xxh3_hex() -> Any:
+    _load_xxh3()
+    return _xxh3_128_hex
 
 
 def bytes_digest(data: bytes) -> str:
     """XXH3-128 (:data:`EXACT_DIGEST`) of ``data``, as 32 hex characters."""
-    return str((_xxh3_128 or _load_xxh3())(data).hexdigest())
+    return str((_xxh3_128_hex or _load_xxh3_hex())(data))
 
 
 # Headers of exact digests by (dtype, shape): formatting them costs more than hashing small tensors.
@@ -545,10 +558,11 @@ def exact_digest(t: torch.Tensor) -> str:
             if len(_HEADERS) >= _MAX_HEADERS:
                 _HEADERS.clear()
             header = _HEADERS[key] = f"{t.dtype}{tuple(t.shape)}".encode()
+        n = t.nbytes
+        if n <= _COPY_BYTES:  # one call over a copy (the same digest as streaming the two parts)
+            return str((_xxh3_128_hex or _load_xxh3_hex())(header + ctypes.string_at(t.data_ptr(), n)))
         h = (_xxh3_128 or _load_xxh3())(header)
-        n = t.numel() * t.element_size()
-        if n:
-            h.update((ctypes.c_ubyte * n).from_address(t.data_ptr()))
+        h.update((ctypes.c_ubyte * n).from_address(t.data_ptr()))
         return str(h.hexdigest())
     try:
         return fingerprint(t)
