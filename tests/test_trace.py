@@ -401,3 +401,16 @@ def test_large_digest_is_exact_and_independent_of_hash_threads(
     monkeypatch.setattr(hashing, "_pool", ThreadPoolExecutor(max_workers=1))
     monkeypatch.setattr(hashing, "_pool_pid", os.getpid())
     assert hashing.exact_digest(big) == digest
+
+
+@pytest.mark.parametrize("shape", [(0,), (3,), (1000,), (64, 1025)], ids=str)
+def test_small_digests_in_one_call_equal_streamed_digests(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+) -> None:
+    hashing = sys.modules["torchrepro.hashing"]
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    one_call = hashing.exact_digest(t)
+    monkeypatch.setattr(hashing, "_COPY_BYTES", -1)
+    assert hashing.exact_digest(t) == one_call
+    assert hashing.exact_digest(t.reshape(-1)) != one_call or t.dim() == 1  # the shape counts
+    assert hashing.exact_digest(t.to(torch.float64)) != one_call

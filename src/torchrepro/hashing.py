@@ -13,7 +13,9 @@ Invariants:
   are read as 64-bit words, each word is mixed with its position (multiply-xorshift, wrapping
   int64 arithmetic) and the mixed words are summed exactly. Integer sums do not depend on order,
   so the digest is the same on every device and for every chunking; only a few reduced numbers
-  leave the device. Small tensors take a fast path over their bytes with ``hashlib``.
+  leave the device. Large CPU tensors are split into word ranges mixed on the hashing threads
+  (at most ``torch.get_num_threads()``), whose lanes add up to the same sums. Small tensors take a
+  fast path over their bytes with ``hashlib``.
 - Nothing here changes global torch state; unsupported objects raise ``TypeError`` naming the
   type and where it sits inside the container.
 - This is the one tensor-hashing module: ``exact_digest`` (op traces) and the checkpoint
@@ -28,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import itertools
 import math
 import os
 import reprlib
@@ -35,9 +38,9 @@ import struct
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,7 +52,12 @@ SMALL_TENSOR_BYTES = 1 << 16
 _CPU_CHUNK_WORDS = 1 << 15
 _DEVICE_CHUNK_WORDS = 1 << 22
 
+#: CPU tensors of at least this many words are split into word ranges mixed on several threads.
+_PARALLEL_MIN_WORDS = 1 << 19
+
 _DIGEST_BYTES = 16
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 _FORMAT = b"torchrepro.fingerprint.v1"
 
 
@@ -422,6 +430,10 @@ class _WordMixer:
 def _word_digest(t: torch.Tensor) -> bytes:
     on_cpu = t.device.type == "cpu"
     chunk = _CPU_CHUNK_WORDS if on_cpu else _DEVICE_CHUNK_WORDS
+    words = t.numel() * t.element_size() // 8
+    parts = min(torch.get_num_threads(), 4, words // max(_PARALLEL_MIN_WORDS, 1)) if on_cpu else 1
+    if parts >= 2 and t.is_contiguous():
+        return _parallel_word_digest(_flat(t).view(torch.uint8), words, parts, chunk)
     mixer = _WordMixer(t.device, chunk)
     carry: torch.Tensor | None = None
     for piece in _byte_pieces(t, chunk * 8):
@@ -436,6 +448,26 @@ def _word_digest(t: torch.Tensor) -> bytes:
         tail = bytes(carry.to("cpu").tolist())
     lanes = torch.stack([mixer.lane_a, mixer.lane_b]).to("cpu").tolist()
     return struct.pack("<qqq", mixer.position, *lanes) + tail
+
+
+def _parallel_word_digest(data: torch.Tensor, words: int, parts: int, chunk: int) -> bytes:
+    """The word digest of the contiguous CPU bytes ``data``, its words split into ``parts`` ranges
+    mixed on the hashing threads. Lanes are sums modulo 2**64 of terms keyed by absolute word
+    position, so adding the ranges' lanes gives the sequential digest exactly."""
+    bounds = [words * i // parts for i in range(parts + 1)]
+
+    def mix(span: tuple[int, int]) -> tuple[int, int]:
+        mixer = _WordMixer(data.device, chunk)
+        mixer.position = span[0]
+        for start in range(span[0] * 8, span[1] * 8, chunk * 8):
+            mixer.update(_as_words(data[start : min(start + chunk * 8, span[1] * 8)]))
+        return int(mixer.lane_a), int(mixer.lane_b)
+
+    lanes = parallel_map(mix, list(itertools.pairwise(bounds)))
+    lane_a = sum(a for a, _ in lanes) % (1 << 64)
+    lane_b = sum(b for _, b in lanes) % (1 << 64)
+    tail = ctypes.string_at(data.data_ptr() + words * 8, data.numel() - words * 8)
+    return struct.pack("<qqq", words, _signed(lane_a), _signed(lane_b)) + tail
 
 
 def _numpy_digest(arr: Any, path: str) -> bytes:
@@ -482,8 +514,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def parallel_map(fn: Callable[[memoryview], Any], pieces: list[memoryview]) -> list[Any]:
-    """``[fn(p) for p in pieces]``, on the hashing thread pool (hashlib and zlib release the GIL)."""
+def parallel_map(fn: Callable[[_T], _R], pieces: Sequence[_T]) -> list[_R]:
+    """``[fn(p) for p in pieces]``, on the hashing thread pool (hashlib, zlib and torch's kernels
+    release the GIL)."""
     global _pool, _pool_pid
     if len(pieces) < 2 or (os.cpu_count() or 1) < 2:
         return [fn(p) for p in pieces]
