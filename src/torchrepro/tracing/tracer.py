@@ -244,8 +244,14 @@ class Tracer(_Observer):
             ref = self._tainted.get(key)
             if ref is not None and ref() is t:
                 return _UNINIT
-        version = _version(t)
-        ptr = _storage_ptr(t)
+        try:
+            version = int(t._version)
+        except RuntimeError:  # inference tensors keep no version counter: never reuse their digest
+            version = -1
+        try:
+            ptr = int(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # sparse, nested, wrapper subclasses
+            ptr = 0
         entry = self._cache.get(key)
         if (
             entry is not None
@@ -289,7 +295,7 @@ class Tracer(_Observer):
                     tainted[key] = weakref.ref(v)
                     tokens.append(_UNINIT)
                     continue
-                if key in tainted:
+                if tainted and key in tainted:
                     del tainted[key]
                 if derived_from is not None:
                     text = f"{derived_from}|{len(tokens)}|{tuple(v.shape)}|{v.dtype}"
