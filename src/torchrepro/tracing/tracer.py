@@ -6,8 +6,12 @@ Invariants:
   ``empty_like``, ... and whatever is computed from it before it is overwritten) are never digested
   as data. In-place and ``out=`` writes, and the hidden running statistics update of batch norm, are
   digested after the op as outputs.
-- Trace files are JSON (format and version from ``events``), written atomically; tracing changes no
-  numerics and no RNG state; ops inside ``paused()`` are not traced.
+- Trace files are JSON (format and version from ``events``, the digest algorithm from
+  ``hashing.EXACT_DIGEST``), written atomically; tracing changes no numerics and no RNG state; ops
+  inside ``paused()`` are not traced.
+- Per op, the Python work is one lookup of what the trace knows of the op, the attribution, and a
+  digest lookup per tensor (a cache keyed by tensor, version, storage and write epoch); bytes are
+  hashed once per tensor version.
 """
 
 from __future__ import annotations
@@ -171,9 +175,10 @@ class Tracer(_Observer):
     Digests are exact (every byte counts: XXH3-128 of dtype, shape and bytes for dense CPU tensors,
     :func:`torchrepro.fingerprint` for every other kind), computed once per tensor version and
     reused while the tensor is unchanged. In-place and ``out=`` writes are digested after the op
-    as outputs; results of ``empty``-like ops, and values computed from
-    them before they are overwritten, are recorded as ``uninit`` and never compared as data;
-    non-tensor arguments (Python scalars, dtypes, shapes) form one more input.
+    as outputs; results of ``empty``-like ops, and values computed from them before they are
+    overwritten, are recorded as ``uninit`` and never compared as data; non-tensor arguments
+    (Python scalars, dtypes, shapes) form one more input. The trace header names the digest
+    algorithm, and :func:`compare_traces` refuses to compare traces digested differently.
     """
 
     _what = "Tracer"
