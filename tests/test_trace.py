@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchrepro.errors import TraceError
-from torchrepro.tracing import OpEvent, OpRecorder, compare_traces, trace
+from torchrepro.tracing import OpEvent, OpRecorder, Tracer, compare_traces, trace
 
 HERE = Path(__file__)
 
@@ -414,3 +414,21 @@ def test_small_digests_in_one_call_equal_streamed_digests(
     assert hashing.exact_digest(t) == one_call
     assert hashing.exact_digest(t.reshape(-1)) != one_call or t.dim() == 1  # the shape counts
     assert hashing.exact_digest(t.to(torch.float64)) != one_call
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_ops_of_a_forked_child_pass_through_untraced(tmp_path: Path) -> None:
+    """A DataLoader worker forked while tracing inherits the mode: its ops are not recorded."""
+    tracer = Tracer(tmp_path / "t.json")
+    with tracer:
+        torch.ones(2).add(1)
+        before = len(tracer)
+        pid = os.fork()
+        if pid == 0:  # the child: run ops, report through the exit code only
+            torch.ones(3).mul(2)
+            os._exit(0 if len(tracer) == before else 1)
+        _, status = os.waitpid(pid, 0)
+        torch.ones(2).sub(1)  # control: the parent still traces
+        assert len(tracer) > before
+    assert os.WEXITSTATUS(status) == 0
