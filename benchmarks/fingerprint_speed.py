@@ -3,8 +3,10 @@
 bandwidth reference), and on a GPU without copying the tensor to the host.
 
 Run: ``python benchmarks/fingerprint_speed.py [--device cpu|cuda] [--sizes-mb 1 4 16 64 256]``.
-Prints one row per size with GB/s of each method, measured side by side in one run (best of
-``--repeats``), and the ratios fingerprint/sha256 and fingerprint/clone (>1 = fingerprint faster).
+Prints one row per size with GB/s of each method, measured side by side in one run (the methods
+alternate within every repeat, so load on the machine hits all of them alike; median of
+``--repeats``), and the ratios fingerprint/sha256 and fingerprint/clone (>1 = fingerprint faster),
+each the median of the per-repeat ratios. Target: fingerprint/clone >= 0.6 at 64 MB.
 sha256 needs the bytes on the host: for a CUDA tensor its time includes the device-to-host copy.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import statistics
 import time
 from collections.abc import Callable
 
@@ -31,16 +34,21 @@ def sha256_of(t: torch.Tensor) -> str:
     return hashlib.sha256(host_bytes(host.contiguous())).hexdigest()
 
 
-def best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
-    fn()  # warm up (allocator, lazy initialisation)
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def alternating_times(
+    methods: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None]
+) -> dict[str, list[float]]:
+    """Seconds of each method per repeat; within a repeat the methods run one after the other."""
+    for fn in methods.values():  # warm up (allocator, lazy initialisation)
         fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -49,24 +57,33 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     print(
         f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, "
-        f"best of {args.repeats}"
+        f"median of {args.repeats} alternating repeats"
     )
     print(f"{'size':>8} {'fingerprint':>12} {'sha256':>10} {'clone':>10} {'fp/sha256':>10} {'fp/clone':>9}")
     for mb in args.sizes_mb:
         t = torch.randn(mb * (1 << 20) // 4, generator=torch.Generator().manual_seed(mb)).to(device)
         gb = t.nbytes / 1e9
-        fp = best_time(lambda t=t: fingerprint(t), args.repeats, sync)
-        sha = best_time(lambda t=t: sha256_of(t), args.repeats, sync)
-        clone = best_time(lambda t=t: t.clone(), args.repeats, sync)
+        times = alternating_times(
+            {
+                "fingerprint": lambda t=t: fingerprint(t),
+                "sha256": lambda t=t: sha256_of(t),
+                "clone": lambda t=t: t.clone(),
+            },
+            args.repeats,
+            sync,
+        )
+        fp, sha, clone = (statistics.median(times[k]) for k in ("fingerprint", "sha256", "clone"))
+        fp_sha = statistics.median(s / f for s, f in zip(times["sha256"], times["fingerprint"], strict=True))
+        fp_clone = statistics.median(c / f for c, f in zip(times["clone"], times["fingerprint"], strict=True))
         print(
             f"{mb:>6}MB {gb / fp:>9.2f}GB/s {gb / sha:>7.2f}GB/s {gb / clone:>7.2f}GB/s "
-            f"{sha / fp:>9.2f}x {clone / fp:>8.2f}x"
+            f"{fp_sha:>9.2f}x {fp_clone:>8.2f}x"
         )
         del t
 

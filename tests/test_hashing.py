@@ -143,6 +143,24 @@ def test_chunk_size_and_threads_do_not_change_the_digest() -> None:
                 assert fingerprint(small) == digest, chunk
 
 
+def test_word_ranges_mixed_on_several_threads_give_the_sequential_digest() -> None:
+    t = random_tensor((40_000 * 8 + 5,), torch.uint8, seed=5)  # odd tail
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        for view in (t, t[3:], t[8:]):  # misaligned starts are copied a piece at a time
+            with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", 1 << 40):
+                sequential = fingerprint(view)
+            for min_words in (1000, 7, 1):
+                with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", min_words):
+                    assert fingerprint(view) == sequential, min_words
+        flipped = flip_bit(t, 20_000 * 64 + 3)  # in the second range
+        with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", 1000):
+            assert fingerprint(flipped) != fingerprint(t)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_non_contiguous_views_hash_like_their_contiguous_copies(path: str) -> None:
     base = random_tensor((6, 10, 9), torch.float32, seed=5)
     views = [

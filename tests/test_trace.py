@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torchrepro.errors import TraceError
-from torchrepro.tracing import OpEvent, OpRecorder, compare_traces, trace
+from torchrepro.tracing import OpEvent, OpRecorder, Tracer, compare_traces, trace
 
 HERE = Path(__file__)
 
@@ -358,6 +358,21 @@ def test_bad_trace_files_raise_trace_error_naming_the_file(tmp_path: Path) -> No
         compare_traces(good, broken)
 
 
+def test_traces_digested_with_other_algorithms_are_refused_not_compared(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (a, b):
+        with trace(path):
+            torch.ones(2).add(1)
+    doc = json.loads(a.read_text())
+    assert doc["digest"] == "xxh3_128"
+    assert compare_traces(a, b) is None  # control: same algorithm, same values
+    legacy = tmp_path / "legacy.json"  # written before the header named its algorithm (SHA-1)
+    legacy.write_text(json.dumps({k: v for k, v in doc.items() if k != "digest"}))
+    with pytest.raises(TraceError, match=r"different algorithms \(xxh3_128 and sha1\)"):
+        compare_traces(a, legacy)
+    assert compare_traces(legacy, legacy) is None  # two legacy traces still compare
+
+
 def test_compiled_modules_are_recorded_without_dynamo_tracing_the_recorder(
     monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
 ) -> None:
@@ -386,3 +401,34 @@ def test_large_digest_is_exact_and_independent_of_hash_threads(
     monkeypatch.setattr(hashing, "_pool", ThreadPoolExecutor(max_workers=1))
     monkeypatch.setattr(hashing, "_pool_pid", os.getpid())
     assert hashing.exact_digest(big) == digest
+
+
+@pytest.mark.parametrize("shape", [(0,), (3,), (1000,), (64, 1025)], ids=str)
+def test_small_digests_in_one_call_equal_streamed_digests(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
+) -> None:
+    hashing = sys.modules["torchrepro.hashing"]
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    one_call = hashing.exact_digest(t)
+    monkeypatch.setattr(hashing, "_COPY_BYTES", -1)
+    assert hashing.exact_digest(t) == one_call
+    assert hashing.exact_digest(t.reshape(-1)) != one_call or t.dim() == 1  # the shape counts
+    assert hashing.exact_digest(t.to(torch.float64)) != one_call
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_ops_of_a_forked_child_pass_through_untraced(tmp_path: Path) -> None:
+    """A DataLoader worker forked while tracing inherits the mode: its ops are not recorded."""
+    tracer = Tracer(tmp_path / "t.json")
+    with tracer:
+        torch.ones(2).add(1)
+        before = len(tracer)
+        pid = os.fork()
+        if pid == 0:  # the child: run ops, report through the exit code only
+            torch.ones(3).mul(2)
+            os._exit(0 if len(tracer) == before else 1)
+        _, status = os.waitpid(pid, 0)
+        torch.ones(2).sub(1)  # control: the parent still traces
+        assert len(tracer) > before
+    assert os.WEXITSTATUS(status) == 0

@@ -13,13 +13,16 @@ Invariants:
   are read as 64-bit words, each word is mixed with its position (multiply-xorshift, wrapping
   int64 arithmetic) and the mixed words are summed exactly. Integer sums do not depend on order,
   so the digest is the same on every device and for every chunking; only a few reduced numbers
-  leave the device. Small tensors take a fast path over their bytes with ``hashlib``.
+  leave the device. Large CPU tensors are split into word ranges mixed on the hashing threads
+  (at most ``torch.get_num_threads()``), whose lanes add up to the same sums. Small tensors take a
+  fast path over their bytes with ``hashlib``.
 - Nothing here changes global torch state; unsupported objects raise ``TypeError`` naming the
   type and where it sits inside the container.
 - This is the one tensor-hashing module: ``exact_digest`` (op traces) and the checkpoint
-  checksums read tensor bytes through ``byte_view`` and hash large ones in fixed-size chunks on
-  the one thread pool of ``parallel_map`` (one per process; a forked child makes its own). Chunk
-  sizes are fixed, so no digest depends on the number of threads.
+  checksums read tensor bytes through ``byte_view``. ``exact_digest`` hashes them in one pass with
+  XXH3-128 (the required ``xxhash`` package, imported on first use); the checkpoint checksums hash
+  large ones in fixed-size chunks on the one thread pool of ``parallel_map`` (one per process; a
+  forked child makes its own). No digest depends on the number of threads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import itertools
 import math
 import os
 import reprlib
@@ -34,9 +38,9 @@ import struct
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,7 +52,12 @@ SMALL_TENSOR_BYTES = 1 << 16
 _CPU_CHUNK_WORDS = 1 << 15
 _DEVICE_CHUNK_WORDS = 1 << 22
 
+#: CPU tensors of at least this many words are split into word ranges mixed on several threads.
+_PARALLEL_MIN_WORDS = 1 << 19
+
 _DIGEST_BYTES = 16
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 _FORMAT = b"torchrepro.fingerprint.v1"
 
 
@@ -64,12 +73,17 @@ _C2 = _signed(0x94D049BB133111EB)
 _MASK32 = (1 << 32) - 1
 _MASK35 = (1 << 35) - 1
 
-_active = threading.local()
+
+class _Depth(threading.local):
+    depth = 0  # a class default: reading it is cheap in every thread (op recorders ask on every op)
+
+
+_active = _Depth()
 
 
 def fingerprinting() -> bool:
     """Whether this thread is inside ``fingerprint`` (op recorders ignore the ops it runs)."""
-    return bool(getattr(_active, "depth", 0))
+    return _active.depth > 0
 
 
 def fingerprint(obj: Any) -> str:
@@ -89,7 +103,7 @@ def fingerprint(obj: Any) -> str:
     >>> len(fingerprint({"w": t, "step": 3}))
     32
     """
-    _active.depth = getattr(_active, "depth", 0) + 1
+    _active.depth += 1
     try:
         return _Hasher().digest(obj, "obj").hex()
     finally:
@@ -416,6 +430,10 @@ class _WordMixer:
 def _word_digest(t: torch.Tensor) -> bytes:
     on_cpu = t.device.type == "cpu"
     chunk = _CPU_CHUNK_WORDS if on_cpu else _DEVICE_CHUNK_WORDS
+    words = t.numel() * t.element_size() // 8
+    parts = min(torch.get_num_threads(), 4, words // max(_PARALLEL_MIN_WORDS, 1)) if on_cpu else 1
+    if parts >= 2 and t.is_contiguous():
+        return _parallel_word_digest(_flat(t).view(torch.uint8), words, parts, chunk)
     mixer = _WordMixer(t.device, chunk)
     carry: torch.Tensor | None = None
     for piece in _byte_pieces(t, chunk * 8):
@@ -430,6 +448,26 @@ def _word_digest(t: torch.Tensor) -> bytes:
         tail = bytes(carry.to("cpu").tolist())
     lanes = torch.stack([mixer.lane_a, mixer.lane_b]).to("cpu").tolist()
     return struct.pack("<qqq", mixer.position, *lanes) + tail
+
+
+def _parallel_word_digest(data: torch.Tensor, words: int, parts: int, chunk: int) -> bytes:
+    """The word digest of the contiguous CPU bytes ``data``, its words split into ``parts`` ranges
+    mixed on the hashing threads. Lanes are sums modulo 2**64 of terms keyed by absolute word
+    position, so adding the ranges' lanes gives the sequential digest exactly."""
+    bounds = [words * i // parts for i in range(parts + 1)]
+
+    def mix(span: tuple[int, int]) -> tuple[int, int]:
+        mixer = _WordMixer(data.device, chunk)
+        mixer.position = span[0]
+        for start in range(span[0] * 8, span[1] * 8, chunk * 8):
+            mixer.update(_as_words(data[start : min(start + chunk * 8, span[1] * 8)]))
+        return int(mixer.lane_a), int(mixer.lane_b)
+
+    lanes = parallel_map(mix, list(itertools.pairwise(bounds)))
+    lane_a = sum(a for a, _ in lanes) % (1 << 64)
+    lane_b = sum(b for _, b in lanes) % (1 << 64)
+    tail = ctypes.string_at(data.data_ptr() + words * 8, data.numel() - words * 8)
+    return struct.pack("<qqq", words, _signed(lane_a), _signed(lane_b)) + tail
 
 
 def _numpy_digest(arr: Any, path: str) -> bytes:
@@ -463,7 +501,6 @@ def _numpy_digest(arr: Any, path: str) -> bytes:
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
-_PARALLEL_DIGEST_BYTES = 4 << 20
 _DIGEST_CHUNK_BYTES = 1 << 20
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = 0
@@ -477,8 +514,9 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def parallel_map(fn: Callable[[memoryview], Any], pieces: list[memoryview]) -> list[Any]:
-    """``[fn(p) for p in pieces]``, on the hashing thread pool (hashlib and zlib release the GIL)."""
+def parallel_map(fn: Callable[[_T], _R], pieces: Sequence[_T]) -> list[_R]:
+    """``[fn(p) for p in pieces]``, on the hashing thread pool (hashlib, zlib and torch's kernels
+    release the GIL)."""
     global _pool, _pool_pid
     if len(pieces) < 2 or (os.cpu_count() or 1) < 2:
         return [fn(p) for p in pieces]
@@ -495,34 +533,70 @@ def chunks(data: memoryview, size: int = _DIGEST_CHUNK_BYTES) -> list[memoryview
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def _sha1(chunk: memoryview) -> bytes:
-    return hashlib.sha1(chunk, usedforsecurity=False).digest()
+#: The algorithm of :func:`exact_digest` (written into every op trace, which compares only
+#: traces hashed alike): XXH3-128 over a header and the raw bytes.
+EXACT_DIGEST = "xxh3_128"
+
+# Tensors of at most this many bytes are copied and hashed in one call (cheaper than streaming).
+_COPY_BYTES = 1 << 12
+_xxh3_128: Any = None
+_xxh3_128_hex: Any = None
+
+
+def _load_xxh3() -> Any:
+    global _xxh3_128, _xxh3_128_hex
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError(
+            "torchrepro's op traces hash tensors with XXH3-128 from the xxhash package, which is not "
+            "installed; install it with `pip install 'xxhash>=3.0'` (or reinstall torchrepro)."
+        ) from None
+    _xxh3_128, _xxh3_128_hex = xxhash.xxh3_128, xxhash.xxh3_128_hexdigest
+    return _xxh3_128
+
+
+def _load_xxh3_hex() -> Any:
+    _load_xxh3()
+    return _xxh3_128_hex
+
+
+def bytes_digest(data: bytes) -> str:
+    """XXH3-128 (:data:`EXACT_DIGEST`) of ``data``, as 32 hex characters."""
+    return str((_xxh3_128_hex or _load_xxh3_hex())(data))
+
+
+# Headers of exact digests by (dtype, shape): formatting them costs more than hashing small tensors.
+_HEADERS: dict[tuple[torch.dtype, torch.Size], bytes] = {}
+_MAX_HEADERS = 1 << 14
 
 
 def exact_digest(t: torch.Tensor) -> str:
     """An exact digest of ``t``'s value (dtype, shape, every byte in row-major order).
 
-    Dense CPU tensors are hashed in place with SHA-1 over their bytes (about twice the throughput
-    of ``fingerprint``'s portable path, and no temporaries); every other kind goes to
-    :func:`fingerprint`, which handles devices, layouts and odd dtypes.
+    Dense CPU tensors are hashed in place with XXH3-128 (:data:`EXACT_DIGEST`) over a header
+    (dtype and shape) and their raw bytes, near memory bandwidth and without temporaries; every
+    other kind goes to :func:`fingerprint`, which handles devices, layouts and odd dtypes.
     """
     if (
-        t.is_cpu
+        type(t) in _PLAIN_TENSOR_TYPES
+        and t.is_cpu
         and t.layout == torch.strided
-        and type(t) in _PLAIN_TENSOR_TYPES
         and t.is_contiguous()
         and not (t.is_conj() or t.is_neg() or t.is_quantized)
     ):
-        n = t.numel() * t.element_size()
-        h = hashlib.sha1(f"{t.dtype}{tuple(t.shape)}".encode(), usedforsecurity=False)
-        if n:
-            data = byte_view(t)
-            if n >= _PARALLEL_DIGEST_BYTES:
-                h.update(b"chunked")
-                h.update(b"".join(parallel_map(_sha1, chunks(data))))
-            else:
-                h.update(data)
-        return h.hexdigest()[:32]
+        key = (t.dtype, t.shape)
+        header = _HEADERS.get(key)
+        if header is None:
+            if len(_HEADERS) >= _MAX_HEADERS:
+                _HEADERS.clear()
+            header = _HEADERS[key] = f"{t.dtype}{tuple(t.shape)}".encode()
+        n = t.nbytes
+        if n <= _COPY_BYTES:  # one call over a copy (the same digest as streaming the two parts)
+            return str((_xxh3_128_hex or _load_xxh3_hex())(header + ctypes.string_at(t.data_ptr(), n)))
+        h = (_xxh3_128 or _load_xxh3())(header)
+        h.update((ctypes.c_ubyte * n).from_address(t.data_ptr()))
+        return str(h.hexdigest())
     try:
         return fingerprint(t)
     except (TypeError, ValueError):  # meta/fake tensors and other kinds without readable values

@@ -4,7 +4,9 @@ Invariants:
 - Reads trace files only: imports neither torch nor its dispatch internals.
 - Ops are aligned by their order, separately per lane (the traced thread; every other thread); the
   op reported is where the difference enters, not a victim downstream.
-- A missing, unreadable or malformed file, or another format version, raises ``TraceError``.
+- A missing, unreadable or malformed file, or another format version, raises ``TraceError``; so do
+  two traces whose digests were computed with different algorithms (their values cannot be
+  compared: every op would look different).
 """
 
 from __future__ import annotations
@@ -15,7 +17,13 @@ import os
 from typing import Final
 
 from torchrepro.errors import TraceError
-from torchrepro.tracing.events import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION, OpDivergence
+from torchrepro.tracing.events import (
+    _COLLECTIVE_NAMESPACES,
+    _FORMAT,
+    _FORMAT_VERSION,
+    _LEGACY_DIGEST,
+    OpDivergence,
+)
 
 _RANDOM_OPS: Final = (
     "bernoulli",
@@ -54,6 +62,7 @@ class _Trace:
     path: str
     rank: int | None
     records: tuple[_Record, ...]
+    digest: str  # the algorithm of its value digests
 
 
 def _load_trace(path: str | os.PathLike[str]) -> _Trace:
@@ -90,9 +99,10 @@ def _load_trace(path: str | os.PathLike[str]) -> _Trace:
             for index, (op, site, backward, ins, outs, *rest) in enumerate(doc["records"])
         )
         rank = doc.get("rank")
+        digest = str(doc.get("digest", _LEGACY_DIGEST))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TraceError(f"Op trace {where} is malformed ({type(exc).__name__}: {exc}).") from None
-    return _Trace(where, rank if isinstance(rank, int) else None, records)
+    return _Trace(where, rank if isinstance(rank, int) else None, records, digest)
 
 
 def _describe_input(index: int, a: str, b: str) -> str:
@@ -113,9 +123,16 @@ def compare_traces(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> OpDi
     different ops before any output differed, that op is reported with ``structural=True``.
     Ops that ran on other threads than the traced one (callbacks of collectives) are aligned among
     themselves, since their interleaving with the traced thread varies from run to run.
-    Raises ``TraceError`` for a missing or malformed file.
+    Raises ``TraceError`` for a missing or malformed file, and for two traces whose values were
+    digested with different algorithms (written by torchrepro versions that hash differently).
     """
     ta, tb = _load_trace(a), _load_trace(b)
+    if ta.digest != tb.digest:
+        raise TraceError(
+            f"Op traces {ta.path} and {tb.path} cannot be compared: their values were digested with "
+            f"different algorithms ({ta.digest} and {tb.digest}), so every op would look different. "
+            "Record both traces with the same torchrepro version."
+        )
     found = []
     for lane in sorted({r.lane for r in ta.records} | {r.lane for r in tb.records}):
         d = _compare_lane(ta, tb, lane)

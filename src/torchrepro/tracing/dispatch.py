@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, TypeVar
@@ -96,6 +97,19 @@ def _hide_from_dynamo() -> None:
 
 _ObserverT = TypeVar("_ObserverT", bound="_Observer")
 
+# Started observers; a forked child (a DataLoader worker inherits the mode) marks them, so that
+# they pass its ops through without asking the kernel for the process id on every op.
+_STARTED: weakref.WeakSet[_Observer] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for observer in list(_STARTED):
+        observer._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
 
 class _Observer:
     """Shared start/stop of the dispatch mode and the module hooks."""
@@ -108,7 +122,7 @@ class _Observer:
         self._names = _OP_NAMES
         self._lock = threading.Lock()  # ops can arrive from other threads (collective callbacks)
         self._thread = threading.get_ident()
-        self._pid = os.getpid()  # forked DataLoader workers inherit the mode: they pass ops through
+        self._forked = False  # set in forked children (DataLoader workers): they pass ops through
         self._filter: Any = None
         self._pause_depth = 0
 
@@ -132,7 +146,7 @@ class _Observer:
         self._sites = _Sites()
         self._sites.install()
         self._thread = threading.get_ident()
-        self._pid = os.getpid()
+        self._forked = False
         # torch warns that compiled modules see global module hooks twice; ours expect that.
         warnings.filterwarnings("ignore", message=_COMPILE_HOOKS_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
@@ -146,6 +160,7 @@ class _Observer:
             self._remove_filter()
             raise
         self._mode = mode
+        _STARTED.add(self)
 
     def _remove_filter(self) -> None:
         with contextlib.suppress(ValueError):
@@ -161,6 +176,7 @@ class _Observer:
                 "active on this thread; stop recorders in the reverse order of starting them."
             )
         self._mode = None
+        _STARTED.discard(self)
         try:
             mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:

@@ -6,7 +6,8 @@ Invariants:
 - Both classes are frozen dataclasses; ``OpEvent.from_dict`` reads back what ``to_dict`` writes and
   raises ``TraceError`` naming a bad field.
 - ``_FORMAT`` and ``_FORMAT_VERSION`` are the trace file's identity; the writer (``tracer``) and the
-  reader (``compare``) take them from here only.
+  reader (``compare``) take them from here only. The header also names the digest algorithm
+  (``digest``); a trace without it was hashed with ``_LEGACY_DIGEST``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from torchrepro.errors import TraceError
 
 _FORMAT: Final = "torchrepro.trace"
 _FORMAT_VERSION: Final = 1
+_LEGACY_DIGEST: Final = "sha1"
+"""The digest algorithm of traces written before the header named one."""
 
 _COLLECTIVE_NAMESPACES: Final = ("c10d.", "_c10d_functional.", "c10d_functional.")
 

@@ -9,7 +9,6 @@ Invariants:
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -65,7 +64,7 @@ class OpRecorder(_Observer):
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or os.getpid() != self._pid:
+        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or self._forked:
             return func(*args, **kwargs)
         sites = self._sites
         with self._lock:

@@ -158,9 +158,12 @@ class _Sites:
     def user_location(self, frame: FrameType | None) -> tuple[str | None, bool]:
         """``(file:line, False)`` of the innermost user frame, or ``(None, True)`` when the walk
         reaches autograd's engine entry first (the op runs inside backward on behalf of torch)."""
+        kinds = self._code_kind
         while frame is not None:
             code = frame.f_code
-            kind = self._kind(code)
+            kind = kinds.get(code)
+            if kind is None:
+                kind = self._kind(code)
             if kind == _USER:
                 return f"{self._show(code.co_filename)}:{frame.f_lineno}", False
             if kind == _ENGINE:

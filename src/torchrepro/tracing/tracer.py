@@ -6,14 +6,17 @@ Invariants:
   ``empty_like``, ... and whatever is computed from it before it is overwritten) are never digested
   as data. In-place and ``out=`` writes, and the hidden running statistics update of batch norm, are
   digested after the op as outputs.
-- Trace files are JSON (format and version from ``events``), written atomically; tracing changes no
-  numerics and no RNG state; ops inside ``paused()`` are not traced.
+- Trace files are JSON (format and version from ``events``, the digest algorithm from
+  ``hashing.EXACT_DIGEST``), written atomically; tracing changes no numerics and no RNG state; ops
+  inside ``paused()`` are not traced.
+- Per op, the Python work is one lookup of what the trace knows of the op, the attribution, and a
+  digest lookup per tensor (a cache keyed by tensor, version, storage and write epoch); bytes are
+  hashed once per tensor version.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import threading
@@ -26,8 +29,8 @@ import torch
 
 from torchrepro._io import atomic_write_json
 from torchrepro.errors import TraceError
+from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
-from torchrepro.hashing import fingerprinting
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
 from torchrepro.tracing.events import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
 
@@ -74,6 +77,7 @@ _HIDDEN_WRITES: Final[Mapping[str, tuple[int, ...]]] = {
 }
 # Scalars whose repr is stable across processes.
 _PLAIN_SCALARS: Final = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout)
+_PLAIN_SCALAR_TYPES: Final = frozenset(_PLAIN_SCALARS)
 _SHORT_SCALARS: Final = 96
 _PLAIN_TENSOR_TYPES: Final = (torch.Tensor, torch.nn.Parameter)
 
@@ -88,7 +92,7 @@ class _OpInfo:
     """What an op's schema says about its arguments (positional index or keyword name)."""
 
     uninit: bool  # its result is uninitialised memory
-    written: frozenset[int | str]  # arguments it writes (schema ``(a!)``, plus hidden writes)
+    written: tuple[int | str, ...]  # arguments it writes, in schema order (``(a!)``, hidden writes)
     overwritten: frozenset[int | str]  # arguments it writes entirely without reading them
     view: bool  # its outputs are views of its inputs: their values follow from the inputs' values
 
@@ -96,28 +100,39 @@ class _OpInfo:
 _OP_INFOS: dict[Any, _OpInfo] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class _TracedOp:
+    """An op as one trace sees it (made on its first call in the trace)."""
+
+    name: str
+    info: _OpInfo
+    index: int  # in the trace's op table
+    skip: bool  # bookkeeping, not computation: passed through untraced
+    collective: bool  # its outputs are ready only once its work handle is waited on
+
+
 def _op_info(func: Any) -> _OpInfo:
     schema = func._schema
     name = schema.name
-    written: set[int | str] = set()
+    written: dict[int | str, None] = {}  # ordered: outputs are listed in the same order in every run
     overwritten: set[int | str] = set()
     for i, arg in enumerate(schema.arguments):
         key: int | str = arg.name if arg.kwarg_only else i
         if arg.alias_info is not None and arg.alias_info.is_write:
-            written.add(key)
+            written[key] = None
             if arg.is_out:
                 overwritten.add(key)
-    written.update(_HIDDEN_WRITES.get(name, ()))
+    written.update(dict.fromkeys(_HIDDEN_WRITES.get(name, ())))
     if name.startswith("c10d::") and name.endswith("_"):  # in-place collectives carry no (a!) marks
-        written.update(i for i, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
+        written.update((i, None) for i, arg in enumerate(schema.arguments) if "Tensor" in str(arg.type))
     if name in _FULL_WRITE_OPS:
         overwritten.add(0)
     view = bool(getattr(func, "is_view", False)) and not written
-    return _OpInfo(name in _UNINIT_OPS, frozenset(written), frozenset(overwritten), view)
+    return _OpInfo(name in _UNINIT_OPS, tuple(written), frozenset(overwritten), view)
 
 
 def _scalar_text(value: Any) -> str:
-    if isinstance(value, _PLAIN_SCALARS):
+    if type(value) in _PLAIN_SCALAR_TYPES or isinstance(value, _PLAIN_SCALARS):
         return repr(value)
     if isinstance(value, torch.memory_format):
         return str(value)
@@ -127,7 +142,7 @@ def _scalar_text(value: Any) -> str:
 
 
 def _short_hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    return bytes_digest(text.encode())
 
 
 def _scalar_token(parts: list[str]) -> str:
@@ -157,11 +172,13 @@ class Tracer(_Observer):
     ``start()`` begins tracing on this thread; ``stop()`` ends it and writes the trace to ``path``
     (JSON, atomically) for :func:`compare_traces`. Also a context manager (see :func:`trace`).
 
-    Digests are :func:`torchrepro.fingerprint` of every tensor (exact: every byte counts), computed
-    once per tensor version and reused while the tensor is unchanged. In-place and ``out=`` writes
-    are digested after the op as outputs; results of ``empty``-like ops, and values computed from
-    them before they are overwritten, are recorded as ``uninit`` and never compared as data;
-    non-tensor arguments (Python scalars, dtypes, shapes) form one more input.
+    Digests are exact (every byte counts: XXH3-128 of dtype, shape and bytes for dense CPU tensors,
+    :func:`torchrepro.fingerprint` for every other kind), computed once per tensor version and
+    reused while the tensor is unchanged. In-place and ``out=`` writes are digested after the op
+    as outputs; results of ``empty``-like ops, and values computed from them before they are
+    overwritten, are recorded as ``uninit`` and never compared as data; non-tensor arguments
+    (Python scalars, dtypes, shapes) form one more input. The trace header names the digest
+    algorithm, and :func:`compare_traces` refuses to compare traces digested differently.
     """
 
     _what = "Tracer"
@@ -181,6 +198,7 @@ class Tracer(_Observer):
         self._tainted: dict[int, weakref.ref[torch.Tensor]] = {}
         self._prune_at = 4096
         self._infos = _OP_INFOS
+        self._ops: dict[Any, _TracedOp] = {}
 
     def start(self) -> None:
         """Start tracing (raises ``TraceError`` if already started)."""
@@ -212,6 +230,7 @@ class Tracer(_Observer):
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
             "torch": torch.__version__,
+            "digest": EXACT_DIGEST,
             "rank": rank,
             "ops": list(self._op_index),
             "sites": [list(site) for site in self._site_index],
@@ -224,32 +243,32 @@ class Tracer(_Observer):
             raise TraceError(f"Cannot write the op trace to {self.path}: {exc}.") from None
 
     # -- digests --------------------------------------------------------------------------------
-    def _intern(self, table: dict[Any, int], key: Any) -> int:
-        index = table.get(key)
-        if index is None:
-            index = table[key] = len(table)
-        return index
-
     def _token(self, t: torch.Tensor) -> str:
         key = id(t)
-        ref = self._tainted.get(key)
-        if ref is not None and ref() is t:
-            return _UNINIT
-        version = _version(t)
-        ptr = _storage_ptr(t)
-        epoch = self._epochs.get(ptr, 0)
+        if self._tainted:
+            ref = self._tainted.get(key)
+            if ref is not None and ref() is t:
+                return _UNINIT
+        try:
+            version = int(t._version)
+        except RuntimeError:  # inference tensors keep no version counter: never reuse their digest
+            version = -1
+        try:
+            ptr = int(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # sparse, nested, wrapper subclasses
+            ptr = 0
         entry = self._cache.get(key)
         if (
             entry is not None
             and entry[1] == version
             and entry[2] == ptr
-            and entry[3] == epoch
             and version >= 0
+            and entry[3] == self._epochs.get(ptr, 0)
             and entry[0]() is t
         ):
             return entry[4]
         token = _digest(t)
-        self._cache[key] = (weakref.ref(t), version, ptr, epoch, token)
+        self._cache[key] = (weakref.ref(t), version, ptr, self._epochs.get(ptr, 0), token)
         if len(self._cache) > self._prune_at:
             self._prune()
         return token
@@ -264,30 +283,30 @@ class Tracer(_Observer):
         self._tainted = {k: r for k, r in self._tainted.items() if r() is not None}
         self._prune_at = max(4096, 2 * len(self._cache))
 
-    def _taint(self, t: torch.Tensor, tainted: bool) -> None:
-        if tainted:
-            self._tainted[id(t)] = weakref.ref(t)
-        elif id(t) in self._tainted:
-            del self._tainted[id(t)]
-
     def _outputs(self, values: list[Any], uninit: bool, derived_from: str | None = None) -> list[str]:
         """Tokens of the op's outputs. ``derived_from`` (for view ops) names the outputs by the op and
         its input tokens instead of reading their bytes: a view's values are its input's values."""
         tokens: list[str] = []
         scalars: list[str] = []
         seen: set[int] = set()
-        for v in _leaves(values):
+        tainted = self._tainted
+        for v in values if len(values) == 1 and isinstance(values[0], torch.Tensor) else _leaves(values):
             if isinstance(v, torch.Tensor):
-                if id(v) not in seen:  # an in-place op returns the tensor it wrote
-                    seen.add(id(v))
-                    self._taint(v, uninit)
-                    if uninit:
-                        tokens.append(_UNINIT)
-                    elif derived_from is not None:
-                        text = f"{derived_from}|{len(tokens)}|{tuple(v.shape)}|{v.dtype}"
-                        tokens.append(self._set_token(v, "v" + _short_hash(text)))
-                    else:
-                        tokens.append(self._token(v))
+                key = id(v)
+                if key in seen:  # an in-place op returns the tensor it wrote
+                    continue
+                seen.add(key)
+                if uninit:
+                    tainted[key] = weakref.ref(v)
+                    tokens.append(_UNINIT)
+                    continue
+                if tainted and key in tainted:
+                    del tainted[key]
+                if derived_from is not None:
+                    text = f"{derived_from}|{len(tokens)}|{tuple(v.shape)}|{v.dtype}"
+                    tokens.append(self._set_token(v, "v" + _short_hash(text)))
+                else:
+                    tokens.append(self._token(v))
             else:
                 scalars.append(_scalar_text(v))
         if scalars:
@@ -295,76 +314,100 @@ class Tracer(_Observer):
         return tokens
 
     # -- the op ---------------------------------------------------------------------------------
-    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = self._op_name(func)
-        if (
-            self._pause_depth
-            or name.startswith(_IGNORED_NAMESPACES)
-            or fingerprinting()
-            or os.getpid() != self._pid
-        ):
-            return func(*args, **kwargs)
-        with self._lock:
+    def _op(self, func: Any) -> _TracedOp:
+        """What this trace knows of ``func`` (its index in the op table, its schema), made once."""
+        op = self._ops.get(func)
+        if op is None:
             info = self._infos.get(func)
             if info is None:
                 info = self._infos[func] = _op_info(func)
+            name = self._op_name(func)
+            op = self._ops[func] = _TracedOp(
+                name=name,
+                info=info,
+                index=_intern(self._op_index, name),
+                skip=name.startswith(_IGNORED_NAMESPACES),
+                collective=name.startswith(_COLLECTIVE_NAMESPACES),
+            )
+        return op
+
+    def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        op = self._ops.get(func) or self._op(func)
+        if op.skip or self._pause_depth or self._forked or fingerprinting():
+            return func(*args, **kwargs)
+        info = op.info
+        with self._lock:
             module, location, backward = self._sites.attribute(sys._getframe(1))
             inputs, reads_uninit = self._inputs(info, args, kwargs)
         out = func(*args, **kwargs)
-        if name.startswith(_COLLECTIVE_NAMESPACES):
+        if op.collective:
             _wait(out)  # an async collective's outputs hold their result only once it completes
         with self._lock:
-            written = [_arg(args, kwargs, k) for k in info.written if _has(args, kwargs, k)]
-            for t in _leaves(written):
-                if isinstance(t, torch.Tensor):
-                    ptr = _storage_ptr(t)
-                    self._epochs[ptr] = self._epochs.get(ptr, 0) + 1
-            derived = f"{name}|{'|'.join(inputs)}" if info.view else None
+            written: list[Any] = []
+            if info.written:
+                written = [_arg(args, kwargs, k) for k in info.written if _has(args, kwargs, k)]
+                epochs = self._epochs
+                for t in _leaves(written):
+                    if isinstance(t, torch.Tensor):
+                        ptr = _storage_ptr(t)
+                        epochs[ptr] = epochs.get(ptr, 0) + 1
+            derived = f"{op.name}|{'|'.join(inputs)}" if info.view else None
             outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
-            vi = self._value_index
+            site = (module, location)
+            values = self._value_index
             self._records.append(
                 [
-                    self._intern(self._op_index, name),
-                    self._intern(self._site_index, (module, location)),
+                    op.index,
+                    _intern(self._site_index, site),
                     1 if backward else 0,
-                    [self._intern(vi, tok) for tok in inputs],
-                    [self._intern(vi, tok) for tok in outputs],
+                    _intern_all(values, inputs),
+                    _intern_all(values, outputs),
                     0 if threading.get_ident() == self._thread else 1,
                 ]
             )
             if not backward or torch.is_grad_enabled():
-                self._sites.remember(out, (module, location))
+                self._sites.remember(out, site)
         return out
 
     def _inputs(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], bool]:
         """Tokens of the op's inputs (non-tensor arguments last, as one) and whether any is uninit."""
         inputs: list[str] = []
         scalars: list[str] = []
-        reads_uninit = False
-        items: list[tuple[int | str, Any]] = list(enumerate(args))
+        overwritten = info.overwritten
+        items: Any = enumerate(args)
         if kwargs:
-            items.extend(kwargs.items())
+            items = [*items, *kwargs.items()]
         for key, value in items:
             if isinstance(value, torch.Tensor):
-                if key in info.overwritten:
-                    inputs.append(_OVERWRITTEN)
-                    continue
-                token = self._token(value)
-                reads_uninit = reads_uninit or token == _UNINIT
-                inputs.append(token)
+                inputs.append(_OVERWRITTEN if overwritten and key in overwritten else self._token(value))
             elif isinstance(value, (list, tuple)):
                 for v in value:
                     if isinstance(v, torch.Tensor):
-                        token = _OVERWRITTEN if key in info.overwritten else self._token(v)
-                        reads_uninit = reads_uninit or token == _UNINIT
-                        inputs.append(token)
+                        inputs.append(_OVERWRITTEN if overwritten and key in overwritten else self._token(v))
                     else:
                         scalars.append(_scalar_text(v))
             else:
                 scalars.append(_scalar_text(value))
         if scalars:
             inputs.append(_scalar_token(scalars))
-        return inputs, reads_uninit
+        return inputs, _UNINIT in inputs
+
+
+def _intern(table: dict[Any, int], key: Any) -> int:
+    index = table.get(key)
+    if index is None:
+        index = table[key] = len(table)
+    return index
+
+
+def _intern_all(table: dict[str, int], keys: list[str]) -> list[int]:
+    indices = []
+    for key in keys:
+        index = table.get(key)
+        if index is None:
+            index = table[key] = len(table)
+        indices.append(index)
+    return indices
 
 
 def _has(args: tuple[Any, ...], kwargs: dict[str, Any], key: int | str) -> bool:
