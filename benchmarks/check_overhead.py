@@ -6,9 +6,10 @@ Side by side in one run, alternating (order flipped every repeat), each a fresh 
 - plain: ``python script.py``, one run;
 - check: ``torchrepro check script.py``: two seeded, strict, recorded runs started together and
   compared step by step as they go (the CLI parent imports no torch; each child does).
-Wall time, median over ``--repeats``, and the ratio check / plain. On a 2-core machine the two
-runs of a check share the cores, so a script that keeps both cores busy cannot go below ~2x;
-the short bundled examples are dominated by start-up, which the two runs pay in parallel.
+Wall time, median over ``--repeats``, and the ratio check / plain. The two runs of a check share
+the cores; their OpenMP threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, set by check unless
+the user chose a policy), so neither burns the other's cores spinning. Measured on 2 cores,
+digits_train.py: 2.2-2.6x before that, 1.1x after.
 """
 
 from __future__ import annotations

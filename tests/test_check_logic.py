@@ -239,3 +239,16 @@ def test_launch_options_are_refused_before_any_directory(
     with pytest.raises(LaunchError):
         check_script(script, root=root, **options)
     assert not root.exists()
+
+
+def test_check_runs_wait_passively_unless_the_user_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs share the cores: spinning OpenMP threads would burn what the other run needs."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    run = _make_run(0, tmp_path / "run0", ["python", "x.py"], BASE, ranks=1)
+    assert run.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert (
+        _make_run(1, tmp_path / "run1", ["python", "x.py"], BASE, ranks=1).env["OMP_WAIT_POLICY"] == "ACTIVE"
+    )
