@@ -43,6 +43,10 @@ def build(n_params_m: float, device: str) -> tuple[nn.Module, torch.optim.Optimi
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, width, device=device)).sum().backward()
     opt.step()  # creates the momentum buffers
+    # save_checkpoint also stores the gradients a module holds (a save inside an accumulation
+    # window needs them); after zero_grad there are none, like what plain torch.save of the
+    # state dicts writes, so both sides write the same state.
+    opt.zero_grad(set_to_none=True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
     return model, opt, sched
 
