@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchrepro import runrecord
 from torchrepro.errors import EnvFileError, ReproError
 from torchrepro.runrecord import (
     COMMAND_FILE,
@@ -471,3 +472,13 @@ def test_settings_and_env_that_are_not_strict_json_damage_the_record(
     with pytest.raises(EnvFileError, match="the run record is damaged") as info:
         load_run(tmp_path)
     assert str(tmp_path / name) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_varied_workers_round_trip_and_malformed_files_are_refused(tmp_path: Path) -> None:
+    assert runrecord.read_varied(tmp_path, 0) is None
+    runrecord.write_varied(tmp_path, 1, [(2, 0), (0, 2)])
+    assert runrecord.read_varied(tmp_path, 1) == [(2, 0), (0, 2)]
+    for bad in ('{"a": 1}', "[[1]]", '[[1, "2"]]', "[[-1, 2]]", "[[true, 2]]"):
+        runrecord.varied_path(tmp_path, 2).write_text(bad)
+        with pytest.raises(EnvFileError, match=r"varied.rank2.json.*worker counts"):
+            runrecord.read_varied(tmp_path, 2)

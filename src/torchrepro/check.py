@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from torchrepro.compare import (
     optimizer_index,
     steps_compared,
 )
-from torchrepro.errors import SettingsError
+from torchrepro.errors import ReproError, SettingsError
 from torchrepro.launch import (
     build_command,
     check_target,
@@ -189,6 +190,25 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
 
 
 _OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def _varied_workers(run: _Run, ranks: int) -> tuple[str, bool]:
+    """What ``--vary workers`` changed in ``run`` (a note), and whether it changed anything."""
+    changes: Counter[tuple[int, int]] = Counter()
+    for rank in range(ranks):
+        try:
+            found = runrecord.read_varied(run.record_dir, rank)
+        except ReproError as exc:
+            return f"--vary workers: what was varied is unknown ({exc})", False
+        changes.update(found or [])
+    if not changes:
+        return f"--vary workers: run {run.index + 1} created no DataLoader; nothing was varied", False
+    total = sum(changes.values())
+    parts = ", ".join(
+        f"{a} -> {b}" + (f" in {n}" if len(changes) > 1 else "") for (a, b), n in sorted(changes.items())
+    )
+    loaders = f"{total} DataLoader{'s' if total != 1 else ''}"
+    return f"--vary workers: num_workers {parts} in {loaders} (run {run.index + 1})", True
 
 
 def _make_run(index: int, record_dir: Path, command: list[str], spec: ChildSpec, *, ranks: int) -> _Run:
@@ -360,6 +380,15 @@ def check_script(
     if first is None and not covered.conclusive:
         reproducible = None
         notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
+    if vary == "workers" and runs > 1:
+        varied_note, varied_anything = _varied_workers(all_runs[1], ranks)
+        notes.append(varied_note)
+        if first is None and not varied_anything and reproducible:
+            reproducible = None
+            notes.append(
+                "inconclusive: --vary workers varied nothing (the script created no DataLoader), so "
+                "the runs were not loaded differently; the verdict would only repeat a plain check"
+            )
     result = CheckResult(
         reproducible=reproducible,
         runs=runs,

@@ -127,6 +127,31 @@ def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     return Path(run_dir) / f"events.rank{rank}.jsonl"
 
 
+def varied_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where ``rank`` lists the DataLoaders ``--vary workers`` changed: ``[[from, to], ...]``."""
+    return Path(run_dir) / f"varied.rank{rank}.json"
+
+
+def write_varied(run_dir: str | os.PathLike[str], rank: int, changes: Sequence[tuple[int, int]]) -> None:
+    """Write the ``num_workers`` changes ``--vary workers`` made in ``rank`` (one per DataLoader)."""
+    atomic_write_json(varied_path(run_dir, rank), [list(change) for change in changes])
+
+
+def read_varied(run_dir: str | os.PathLike[str], rank: int) -> list[tuple[int, int]] | None:
+    """The changes ``write_varied`` wrote for ``rank`` (``None`` when there is no such file);
+    ``EnvFileError`` naming the file when it is malformed."""
+    path = varied_path(run_dir, rank)
+    if not path.exists():
+        return None
+    data = read_json(path)
+    if not isinstance(data, list) or not all(
+        isinstance(c, list) and len(c) == 2 and all(type(n) is int and n >= 0 for n in c) for c in data
+    ):
+        what = "a list of [from, to] worker counts"
+        raise EnvFileError(f"cannot read {path}: expected {what}, got {_show(data)}")
+    return [(c[0], c[1]) for c in data]
+
+
 def trace_prefix(run_dir: str | os.PathLike[str], step: int) -> Path:
     """Where a run traces step ``step``: each rank writes ``trace_path(<this>, rank)``."""
     return Path(run_dir).resolve() / f"{TRACE_PREFIX}{step}"

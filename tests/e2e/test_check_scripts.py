@@ -75,6 +75,15 @@ def test_vary_workers_exposes_worker_randomness_in_a_plain_dataloader(tmp_path: 
     assert code == 1, err
     assert verdict["first_divergence"]["kind"] == "data"
     assert verdict["first_divergence"]["step"] == 0
+    assert "--vary workers: num_workers 2 -> 0 in 1 DataLoader (run 2)" in verdict["notes"]
+
+
+def test_vary_workers_that_varies_nothing_is_inconclusive(tmp_path: Path) -> None:
+    code, verdict, err = check(tmp_path, script("no_loader.py"))
+    assert (code, verdict["reproducible"]) == (0, True), err  # the control: a plain check passes
+    code, verdict, err = check(tmp_path, "--vary", "workers", script("no_loader.py"))
+    assert (code, verdict["reproducible"], verdict["inconclusive"]) == (3, None, True), err
+    assert "--vary workers: run 2 created no DataLoader; nothing was varied" in verdict["notes"]
 
 
 def test_vary_workers_survives_a_loader_rebuilt_by_accelerate(tmp_path: Path) -> None:

@@ -66,6 +66,7 @@ class _Session:
 
     def __init__(self, spec: ChildSpec, script: str | None) -> None:
         self.rank = _rank()
+        self.varied: list[tuple[int, int]] = []  # (num_workers asked, used) per DataLoader varied
         self.spec = spec
         self.trace_out = spec.trace_out  # None once tracing turned out to be unavailable
         self.tracer: Any = None
@@ -142,11 +143,16 @@ class _Session:
         if self.spec.max_steps is not None and min(self.steps.values()) >= self.spec.max_steps:
             raise _MaxStepsReached(0)
 
+    def on_vary(self, original: int, used: int) -> None:
+        self.varied.append((original, used))
+
     def close(self) -> None:
         self._stop_tracer()
         self.finish_ops()
         if self.recorder is not None:
             self.recorder.close()
+        if self.spec.num_workers is not None and self.spec.record_dir:
+            runrecord.write_varied(self.spec.record_dir, self.rank, self.varied)
 
 
 def _write_env(record_dir: str, script: str | None) -> None:
@@ -247,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     install_hooks(
         session.recorder,
         num_workers=worker_mapping(spec.num_workers),
+        on_vary=session.on_vary if spec.num_workers is not None else None,
         on_init=session.on_init,
         on_step=session.on_step,
     )

@@ -62,6 +62,7 @@ def install_hooks(
     recorder: Recorder | None,
     *,
     num_workers: Callable[[int], int] | None = None,
+    on_vary: Callable[[int, int], None] | None = None,
     on_init: InitCallback | None = None,
     on_step: StepCallback | None = None,
 ) -> None:
@@ -69,7 +70,9 @@ def install_hooks(
 
     ``recorder`` receives the events (None: only the callbacks run). ``num_workers`` maps the
     ``num_workers`` every DataLoader is created with to the value actually used (``--vary
-    workers``). ``on_init``/``on_step`` run after the recorder's own event is written.
+    workers``), and ``on_vary(original, used)`` hears of each DataLoader it changed (a loader
+    rebuilt from one it changed is not counted again). ``on_init``/``on_step`` run after the
+    recorder's own event is written.
     """
     _recorder.activate(recorder)
     optim_cls = torch.optim.Optimizer
@@ -109,7 +112,7 @@ def install_hooks(
     from torch.utils.data import dataloader as dl
 
     if num_workers is not None:
-        _patch_num_workers(dl.DataLoader, num_workers)
+        _patch_num_workers(dl.DataLoader, num_workers, on_vary)
     _patch_loader_iteration(dl, recorder)
 
 
@@ -122,7 +125,9 @@ def _counter(name: str) -> int:
     return value
 
 
-def _patch_num_workers(loader_cls: type, mapping: Callable[[int], int]) -> None:
+def _patch_num_workers(
+    loader_cls: type, mapping: Callable[[int], int], on_vary: Callable[[int, int], None] | None = None
+) -> None:
     """Make every DataLoader load with ``mapping(num_workers)`` workers.
 
     A loader built over a dataset an earlier loader already varied keeps that loader's varied
@@ -142,8 +147,11 @@ def _patch_num_workers(loader_cls: type, mapping: Callable[[int], int]) -> None:
         if earlier is not None and earlier[0] is dataset:
             new = earlier[1]
         else:
-            new = mapping(int(arguments.get("num_workers", 0) or 0))
+            original = int(arguments.get("num_workers", 0) or 0)
+            new = mapping(original)
             varied[id(dataset)] = (dataset, new)
+            if on_vary is not None:
+                on_vary(original, new)
         arguments["num_workers"] = new
         if new == 0:
             arguments["prefetch_factor"] = None
