@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from torchrepro.errors import EnvFileError
-from torchrepro.runrecord import ENV_FILE, RunRecord, load_run
+from torchrepro.errors import EnvFileError, ReproError
+from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json
 
 __all__ = [
     "Comparison",
@@ -162,6 +162,69 @@ class TensorDifference:
 
 
 @dataclass(frozen=True)
+class SettingDifference:
+    """One way two runs were started differently: a ``settings.json`` field or the command line."""
+
+    name: str
+    a: Any
+    b: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "a": self.a, "b": self.b}
+
+    def describe(self) -> str:
+        return f"started with different {self.name}: {self.a!r} vs {self.b!r}"
+
+
+# settings.json fields that change what a run computes (not the run's index or what was traced)
+_COMPARED_SETTINGS = (
+    "seed",
+    "mode",
+    "threads",
+    "nproc",
+    "script",
+    "module",
+    "cpu_capability",
+    "steps",
+    "vary",
+    "PYTHONHASHSEED",
+    "OMP_NUM_THREADS",
+)
+
+
+def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, ...]:
+    """The settings and command-line arguments two records were started with differently."""
+    found = []
+    if a.settings is not None and b.settings is not None:
+        for name in _COMPARED_SETTINGS:
+            va, vb = getattr(a.settings, name), getattr(b.settings, name)
+            if va != vb:
+                found.append(SettingDifference(name, va, vb))
+        if found and found[0].name == "seed":  # the hash seed is derived from the seed: one cause
+            found = [d for d in found if d.name != "PYTHONHASHSEED"]
+    argv_a, argv_b = _script_args(a), _script_args(b)
+    if argv_a is not None and argv_b is not None and argv_a != argv_b:
+        found.append(SettingDifference("arguments", " ".join(argv_a), " ".join(argv_b)))
+    return tuple(found)
+
+
+def _script_args(run: RunRecord) -> list[str] | None:
+    """The arguments after the script (or module) in a record's ``command.json``, if readable."""
+    try:
+        command = read_json(os.path.join(run.path, COMMAND_FILE))
+    except ReproError:
+        return None
+    argv = command.get("argv") if isinstance(command, dict) else None
+    if not isinstance(argv, list) or not all(isinstance(x, str) for x in argv):
+        return None
+    target = run.settings.script or run.settings.module if run.settings is not None else None
+    for i, arg in enumerate(argv):
+        if target is not None and (arg == target or os.path.basename(arg) == os.path.basename(target)):
+            return argv[i + 1 :]
+    return argv
+
+
+@dataclass(frozen=True)
 class Comparison:
     """The verdict of comparing two runs, with the environment differences that may explain it."""
 
@@ -173,6 +236,9 @@ class Comparison:
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
+    setting_differences: tuple[SettingDifference, ...] = ()
+    """How the two runs were started differently (command line, seed, mode, threads, vary...),
+    the likeliest cause of a divergence; also the first ``notes``."""
     """Why the environments were not compared, and what locating the source op did or could not do
     (op traces missing, of another step, unreadable...)."""
 
@@ -336,6 +402,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
     if first is None and not covered.conclusive:
         reproducible = None
         notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
+    started = setting_differences(a, b)
     return Comparison(
         reproducible=reproducible,
         steps_compared=steps_compared(cursors),
@@ -343,7 +410,8 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         coverage=covered,
         env_differences=env_differences,
         tensor=tensor,
-        notes=tuple(notes),
+        notes=tuple(d.describe() for d in started) + tuple(notes),
+        setting_differences=started,
     )
 
 

@@ -91,11 +91,13 @@ def test_run_module_and_plain_python_equivalence(tmp_path: Path) -> None:
 
 def test_compare_two_recorded_runs(tmp_path: Path) -> None:
     script = SCRIPTS / "semantics.py"
-    with ThreadPoolExecutor(3) as pool:  # three independent runs: start them together
+    with ThreadPoolExecutor(4) as pool:  # independent runs: start them together
         runs = list(
             pool.map(
-                lambda ns: torchrepro(tmp_path, "run", "--seed", ns[1], "--record", ns[0], str(script)),
-                (("a", "1"), ("b", "1"), ("c", "2")),
+                lambda ns: torchrepro(
+                    tmp_path, "run", "--seed", ns[1], "--record", ns[0], str(script), *ns[2:]
+                ),
+                (("a", "1"), ("b", "1"), ("c", "2"), ("d", "1", "--workers", "2")),
             )
         )
     for proc in runs:
@@ -104,13 +106,19 @@ def test_compare_two_recorded_runs(tmp_path: Path) -> None:
     assert same.returncode == 0, same.stderr
     verdict = json.loads(same.stdout)
     assert verdict["reproducible"] is True and verdict["steps_compared"] == 4
+    assert not any(note.startswith("started with different") for note in verdict["notes"])
     differ = torchrepro(tmp_path, "compare", "a", "c", "--json")
     assert differ.returncode == 1, differ.stderr
     verdict = json.loads(differ.stdout)
+    # the one real cause is named, before the environment
+    assert [n for n in verdict["notes"] if n.startswith("started")] == ["started with different seed: 1 vs 2"]
+    args = json.loads(torchrepro(tmp_path, "compare", "a", "d", "--json").stdout)
+    assert args["notes"][0] == "started with different arguments: '' vs '--workers 2'"
     assert verdict["first_divergence"]["kind"] == "init" and verdict["first_divergence"]["step"] == 0
     assert verdict["tensor"]["leaf"] == 0 and verdict["tensor"]["shape"] == [2, 3]
     assert verdict["tensor"]["max_abs_diff"] > 0  # a small tensor: its values were stored
     human = torchrepro(tmp_path, "compare", "a", "c")
     assert human.returncode == 1 and "init at step 0" in human.stdout
+    assert "started with different seed: 1 vs 2" in human.stdout
     bad = torchrepro(tmp_path, "compare", "a", "nope")
     assert bad.returncode == 2 and "nope" in bad.stderr
