@@ -39,12 +39,22 @@ def _prctl(option: int, value: int) -> bool:
 
 
 def _end_tree() -> None:
-    """Stop and kill everything below this process, then reap it."""
-    for child in children(os.getpid()):  # orphans below us are reparented to us: children too
-        kill_tree(child)
+    """Stop and kill everything below this process, then reap it. Orphans below us are
+    reparented to us, so they are children too; one may appear while others are ended (a process
+    started just then), so this repeats until no child is left."""
+    for _ in range(10):
+        below = children(os.getpid())
+        if not below:
+            break
+        for child in below:
+            kill_tree(child)
     with contextlib.suppress(ChildProcessError):
         while os.waitpid(-1, os.WNOHANG)[0] != 0:
             pass
+
+
+class _Stopped(Exception):
+    """Raised by the stop handler, so that a blocking wait ends instead of being retried."""
 
 
 def main(argv: list[str]) -> int:
@@ -57,30 +67,42 @@ def main(argv: list[str]) -> int:
     stop = {"signal": 0}
 
     def on_stop(signum: int, frame: Any) -> None:
+        # Ending the tree here would reap the script, and the wait below, retried after the
+        # handler, would then wait for whatever orphan is left: it must end instead.
         stop["signal"] = signum
-        _end_tree()
+        raise _Stopped
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_stop)
+    def note_stop(signum: int, frame: Any) -> None:
+        stop["signal"] = stop["signal"] or signum
+
+    # Armed before the handlers: a SIGTERM in between ends this process by default, and nothing
+    # has been started yet that could outlive it.
     _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # torchrepro died before the death signal was armed
         return 128 + signal.SIGTERM
-    try:
-        proc = subprocess.Popen(command)
-    except OSError as exc:
-        print(f"torchrepro: cannot start {command[0]!r}: {exc}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the start: the script keeps its own handler
     code: int | None = None
-    while code is None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_stop)
+    try:
         try:
-            pid, status = os.waitpid(-1, 0)  # the script, or an orphan reparented to us
-        except ChildProcessError:
-            break
-        except InterruptedError:  # pragma: no cover - PEP 475 retries
-            continue
-        if pid == proc.pid:
-            proc.returncode = code = exit_code(os.waitstatus_to_exitcode(status))
+            proc = subprocess.Popen(command)
+        except OSError as exc:
+            print(f"torchrepro: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+            return 2
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # after the start: the script keeps its handler
+        while code is None:
+            try:
+                pid, status = os.waitpid(-1, 0)  # the script, or an orphan reparented to us
+            except ChildProcessError:
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries
+                continue
+            if pid == proc.pid:
+                proc.returncode = code = exit_code(os.waitstatus_to_exitcode(status))
+    except _Stopped:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the clean-up short
+        signal.signal(sig, note_stop)
     _end_tree()
     if stop["signal"]:
         return 128 + stop["signal"]
