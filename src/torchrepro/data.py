@@ -620,8 +620,8 @@ class _SeededDataset(Dataset[Any]):
             samples: list[Any] = []
             append = samples.append
             # The last sample apart: before it, the learning RNGs' states are taken.
-            head = zip(indices[:last], seeds[:last], strict=True) if learning else ()
-            for index, s in zip(indices, seeds, strict=True) if not learning else head:
+            upto = last if learning else last + 1
+            for index, s in zip(indices[:upto], seeds[:upto], strict=True):
                 seed_globals(s)
                 active.seed, active.rng = s, None
                 if object_seed is not None:
@@ -963,9 +963,6 @@ class SeededLoader(DataLoader[Any]):
     def source_dataset(self) -> Any:
         """The dataset you passed (``loader.dataset`` is a seeding view of it that forwards its
         attributes and plain indices)."""
-        return self._seeded_sampler_dataset()
-
-    def _seeded_sampler_dataset(self) -> Any:
         view = self.dataset
         assert isinstance(view, _SeededDataset)
         return view._tr_source

@@ -161,8 +161,8 @@ def sample_seeder(np: Any, which: int = ALL_RNGS) -> Callable[[int], None]:
     ``gauss_next = None``: for the stock module-level generator the checks are skipped (the same
     state, ~1 us less per sample); a patched ``random.seed`` is called as it is.
     """
-    torch_seed = torch.default_generator.manual_seed if which & TORCH_RNG else _no_numpy
-    np_seed = np.random.seed if np is not None and which & NUMPY_RNG else _no_numpy
+    torch_seed = torch.default_generator.manual_seed if which & TORCH_RNG else _seed_nothing
+    np_seed = np.random.seed if np is not None and which & NUMPY_RNG else _seed_nothing
     if not which & PYTHON_RNG:
 
         def seed_some(s: int) -> None:
@@ -192,5 +192,5 @@ def sample_seeder(np: Any, which: int = ALL_RNGS) -> Callable[[int], None]:
     return seed_public
 
 
-def _no_numpy(word: int) -> None:
+def _seed_nothing(word: int) -> None:
     """Seeds nothing (an RNG left out of the mask, or NumPy not installed)."""
