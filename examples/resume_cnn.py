@@ -97,8 +97,8 @@ def slow_writes(seconds: float) -> None:
             return getattr(self.f, name)
 
     @contextlib.contextmanager
-    def slow_open(path: Any, mode: str = "wb") -> Iterator[Any]:
-        with original(path, mode) as f:
+    def slow_open(path: Any, mode: str = "wb", **options: Any) -> Iterator[Any]:
+        with original(path, mode, **options) as f:
             yield SlowFile(f)
 
     _io.atomic_open = slow_open  # type: ignore[assignment]

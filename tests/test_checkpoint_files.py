@@ -9,12 +9,15 @@ plain torch does what the issue describes (so the test cannot pass vacuously).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ import torch
 from torch import nn
 
 import torchrepro
-from torchrepro import CheckpointError, ReproWarning, fingerprint, latest_checkpoint, load_checkpoint
+from torchrepro import CheckpointError, ReproWarning, _io, fingerprint, latest_checkpoint, load_checkpoint
 from torchrepro import save_checkpoint as save
 from torchrepro._io import TMP_SUFFIX, atomic_write_json
 from torchrepro.errors import CheckpointWriteError
@@ -507,3 +510,207 @@ def test_a_later_object_refused_leaves_the_earlier_ones_unchanged(tmp_path: Path
     load_checkpoint(path, model=model, optimizer=good, gen=torch.Generator())
     assert fingerprint(model) == fingerprint(saved)
     assert fingerprint(good.state_dict()) == fingerprint(opt.state_dict())
+
+
+# --------------------------------------------------------------------------- background fsync
+
+_BG = "torchrepro-fsync"  # the name of the background fsync threads
+
+
+@contextlib.contextmanager
+def fsync_held() -> Any:
+    """``os.fsync`` in the background fsync threads waits until the block ends (the main
+    thread's fsyncs run as usual); yields the log of the fsyncs that finished there."""
+    real, release, log = os.fsync, threading.Event(), []
+
+    def held(fd: int) -> None:
+        if threading.current_thread().name == _BG:
+            release.wait()
+            log.append(stat.S_ISDIR(os.fstat(fd).st_mode))  # True: the directory's fsync
+        real(fd)
+
+    os.fsync = held
+    try:
+        yield log, release
+    finally:
+        release.set()
+        torchrepro.checkpoint.wait_for_checkpoints()
+        os.fsync = real
+
+
+def test_the_file_is_complete_at_its_path_before_its_background_fsync(tmp_path: Path) -> None:
+    model = net()
+    with fsync_held() as (log, release):
+        path = save(tmp_path / "step-1.pt", model=model, step=1)
+        assert _io.pending_paths() == [Path(path)] and log == []  # not on disk yet...
+        fresh = net(out=2)
+        assert load_checkpoint(path, model=fresh) == {"step": 1}  # ...but complete: no wait
+        assert fingerprint(fresh) == fingerprint(model)
+        assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
+        release.set()
+    assert _io.pending_paths() == [] and log == [False, True]  # the file, then the directory
+
+
+def test_latest_checkpoint_waits_until_the_newest_file_is_durable(tmp_path: Path) -> None:
+    save(tmp_path / "step-1.pt", model=net(), durable="now")
+    with fsync_held() as (log, release):
+        newest = save(tmp_path / "step-2.pt", model=net())
+        threading.Timer(0.2, release.set).start()
+        # Neither the older durable file (a resume would silently go back a step) nor the
+        # newest before its fsyncs: latest_checkpoint waits for them.
+        assert latest_checkpoint(tmp_path) == newest
+        assert log == [False, True]
+
+
+def test_a_save_over_an_existing_file_is_durable_before_it_returns(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    threads: list[str] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        threads.append(threading.current_thread().name)
+        real(fd)
+
+    os.fsync = record
+    try:
+        save(path, model=net(), step=1)  # a new file: fsynced in the background
+        torchrepro.checkpoint.wait_for_checkpoints()
+        assert threads == [_BG, _BG]
+        threads.clear()
+        save(path, model=net(), step=2)  # replaces a checkpoint: never less durable than the old one
+        assert threads == ["MainThread", "MainThread"] and _io.pending_paths() == []
+        threads.clear()
+        save(tmp_path / "other.pt", model=net(), durable="now")
+        assert threads == ["MainThread", "MainThread"] and _io.pending_paths() == []
+    finally:
+        os.fsync = real
+    assert load_checkpoint(path, model=net()) == {"step": 2}
+
+
+@pytest.mark.parametrize("reported_by", ["save", "wait", "latest", "load"])
+def test_a_failed_background_fsync_is_raised_once_and_leaves_no_file(
+    tmp_path: Path, reported_by: str
+) -> None:
+    earlier = save(tmp_path / "step-1.pt", model=net(), step=1, durable="now")
+    real = os.fsync
+
+    def full_disk(fd: int) -> None:
+        if threading.current_thread().name == _BG:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    os.fsync = full_disk
+    try:
+        failed = save(tmp_path / "step-2.pt", model=net(), step=2)
+        while _io.pending_paths():  # the failure is known once its thread is done
+            threading.Event().wait(0.01)
+        message = rf"Cannot write checkpoint {re.escape(failed)} to disk: .*fsync.*the disk is full"
+        with pytest.raises(CheckpointWriteError, match=message) as info:
+            if reported_by == "save":
+                save(tmp_path / "step-3.pt", model=net(), durable="now")
+            elif reported_by == "wait":
+                torchrepro.checkpoint.wait_for_checkpoints()
+            elif reported_by == "latest":
+                latest_checkpoint(tmp_path)
+            else:
+                load_checkpoint(earlier, model=net())
+    finally:
+        os.fsync = real
+    assert info.value.errno == errno.ENOSPC and "earlier checkpoints are intact" in str(info.value)
+    assert_clean(info.value)
+    assert not Path(failed).exists() and not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
+    torchrepro.checkpoint.wait_for_checkpoints()  # raised once, not again
+    assert latest_checkpoint(tmp_path) == earlier
+    assert load_checkpoint(earlier, model=net()) == {"step": 1}
+
+
+def test_durable_is_an_option_not_an_object_name(tmp_path: Path) -> None:
+    for bad in ("later", 1, True):
+        with pytest.raises(ValueError, match=r"durable=.*'background' \(default\) or 'now'.*another name"):
+            save(tmp_path / "c.pt", model=net(), durable=bad)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_forked_child_does_not_wait_on_its_parents_pending_fsync(tmp_path: Path) -> None:
+    with fsync_held() as (log, release):
+        path = save(tmp_path / "c.pt", model=net())
+        assert _io.pending_paths() == [Path(path)]  # what a child could inherit
+        pid = os.fork()
+        if pid == 0:  # the child: nothing pending, nothing to wait for (the parent's fsync is held)
+            if _io.pending_paths() != [] or os.path.getsize(path) == 0:
+                os._exit(1)
+            torchrepro.checkpoint.wait_for_checkpoints()  # returns: the held fsync is not its own
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _io.pending_paths() == [Path(path)] and log == []  # the parent's is still its own
+        release.set()
+        torchrepro.checkpoint.wait_for_checkpoints()
+        assert log == [False, True]
+
+
+_CHILD_SAVE = """
+import json, os, signal, sys, threading, time
+import torch, torchrepro
+from torchrepro import _io
+mode, path = sys.argv[1], sys.argv[2]
+real, log = os.fsync, []
+def fsync(fd):
+    if threading.current_thread().name == "torchrepro-fsync":
+        if mode == "fail":
+            raise OSError(28, "No space left on device")
+        threading.Event().wait(3600 if mode == "kill" else 0.3)  # still pending at the kill / exit
+        log.append(fd)
+        if len(log) == 2:
+            open(path + ".synced", "w").close()
+    real(fd)
+os.fsync = fsync
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64)
+torchrepro.save_checkpoint(path, model=model, step=7)
+pending = [str(p) for p in _io.pending_paths()]
+print(json.dumps({"pending": pending, "fp": torchrepro.fingerprint(model)}), flush=True)
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "os_exit":
+    os._exit(0)
+"""
+
+
+def _child_save(path: Path, mode: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [sys.executable, "-c", _CHILD_SAVE, mode, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+
+
+def test_a_process_killed_right_after_save_returns_leaves_the_complete_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "step-7.pt"
+    proc = _child_save(path, "kill")
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["pending"] == [str(path)]  # killed before its background fsync: not yet durable
+    assert not Path(f"{path}.synced").exists()
+    model = torch.nn.Linear(64, 64)
+    assert latest_checkpoint(tmp_path) == str(path)  # complete and verified
+    assert load_checkpoint(path, model=model, restore_rng=False) == {"step": 7}
+    assert fingerprint(model) == out["fp"]
+    assert not list(tmp_path.glob(f"*{TMP_SUFFIX}"))
+
+
+def test_interpreter_exit_waits_for_background_fsyncs_and_reports_failures(tmp_path: Path) -> None:
+    waited = _child_save(tmp_path / "a.pt", "exit")
+    assert waited.returncode == 0, waited.stderr
+    assert json.loads(waited.stdout.strip().splitlines()[-1])["pending"] == [str(tmp_path / "a.pt")]
+    assert (tmp_path / "a.pt.synced").exists()  # exit waited for both fsyncs
+    control = _child_save(tmp_path / "b.pt", "os_exit")  # os._exit skips atexit: nothing waits
+    assert control.returncode == 0 and not (tmp_path / "b.pt.synced").exists()
+
+    failed = _child_save(tmp_path / "c.pt", "fail")
+    assert f"torchrepro: ERROR: {tmp_path / 'c.pt'} could not be written to disk durably" in failed.stderr
+    assert "No space left on device" in failed.stderr and "Traceback" not in failed.stderr
+    assert not (tmp_path / "c.pt").exists() and not list(tmp_path.glob(f"*{TMP_SUFFIX}"))

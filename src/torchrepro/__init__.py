@@ -15,7 +15,12 @@ from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script  # noqa: F401
-    from torchrepro.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from torchrepro.checkpoint import (
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+        wait_for_checkpoints,
+    )
     from torchrepro.data import SeededLoader, sample_rng
     from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env  # noqa: F401
     from torchrepro.errors import (
@@ -81,6 +86,7 @@ __all__ = [
     "set_determinism",
     "status",
     "trace",
+    "wait_for_checkpoints",
 ]
 
 # name -> the submodule that holds it. The names after the contract stay importable from the
@@ -116,6 +122,7 @@ _WHERE = {
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
+    "wait_for_checkpoints": "checkpoint",
     "derive_seed": "seeding",
     "seed_everything": "seeding",
     "fingerprint": "hashing",

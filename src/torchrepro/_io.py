@@ -12,16 +12,30 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
 import io
 import json
 import os
 import secrets
+import sys
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["TMP_SUFFIX", "atomic_open", "atomic_torch_save", "atomic_write_bytes", "atomic_write_json"]
+__all__ = [
+    "TMP_SUFFIX",
+    "BackgroundSyncError",
+    "atomic_open",
+    "atomic_torch_save",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "pending_paths",
+    "wait_pending",
+]
 
 TMP_SUFFIX = ".tmp-torchrepro"
 """Suffix of in-progress temporary files (``latest_checkpoint`` and friends ignore them)."""
@@ -59,10 +73,14 @@ def _create_temporary(directory: Path, name: str) -> tuple[int, Path]:
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
+def atomic_open(
+    path: str | os.PathLike[str], mode: str = "wb", *, background: bool = False
+) -> Iterator[IO[Any]]:
     """Open a temporary file beside ``path``; on a clean exit it atomically becomes ``path``.
 
-    On an exception the temporary file is removed and ``path`` is left as it was.
+    On an exception the temporary file is removed and ``path`` is left as it was. With
+    ``background`` and no file at ``path``, the complete file appears at ``path`` before it is
+    fsynced, and the fsyncs run in a background thread (see the module's invariants).
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open supports modes 'wb' and 'w', got {mode!r}")
@@ -76,6 +94,8 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         with f:
             yield f
             f.flush()
+            if background and _publish_now(f.fileno(), tmp, target, directory):
+                return
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
@@ -83,6 +103,150 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
             tmp.unlink()
         raise
     _fsync_dir(directory)
+
+
+# --------------------------------------------------------------------------- background fsync
+
+
+class BackgroundSyncError(OSError):
+    """A file made visible before it was durable could not be fsynced; it was removed from its path.
+
+    ``path`` is the file, ``errno`` and ``strerror`` those of the failed fsync."""
+
+    def __init__(self, path: Path, cause: OSError, others: int = 0) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause) or type(cause).__name__)
+        self.path = path
+        self.cause = cause
+        self.others = others
+
+
+@dataclass(eq=False)
+class _Pending:
+    path: Path
+    directory: Path
+    fd: int
+    ident: tuple[int, int]  # (st_dev, st_ino) of the file written
+    done: threading.Event = field(default_factory=threading.Event)
+    error: OSError | None = None
+
+
+_lock = threading.Lock()
+_pending: list[_Pending] = []
+_failed: list[_Pending] = []  # finished with an error not yet raised
+_atexit_registered = False
+
+
+def _publish_now(fd: int, tmp: Path, target: Path, directory: Path) -> bool:
+    """Link the complete ``tmp`` to ``target`` and fsync both in the background; ``False`` (and
+    nothing done) when ``target`` exists or hard links are not supported: the caller then writes
+    synchronously."""
+    global _atexit_registered
+    try:
+        os.link(tmp, target)  # atomic, and never replaces anything: EEXIST if target exists
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            return False
+        raise
+    info = os.fstat(fd)
+    pending = _Pending(target, directory, os.dup(fd), (info.st_dev, info.st_ino))
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    with _lock:
+        _pending.append(pending)
+        if not _atexit_registered:
+            atexit.register(_wait_at_exit)
+            _atexit_registered = True
+    threading.Thread(target=_finish, args=(pending,), name="torchrepro-fsync", daemon=True).start()
+    return True
+
+
+def _finish(pending: _Pending) -> None:
+    """Background thread: fsync the file and its directory; on failure withdraw the file."""
+    try:
+        os.fsync(pending.fd)
+        try:
+            fd = os.open(pending.directory, os.O_RDONLY)
+        except FileNotFoundError:  # the directory was removed since: nothing left to keep
+            fd = -1
+        if fd >= 0:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except OSError as e:
+        pending.error = e
+        _withdraw(pending)
+    finally:
+        os.close(pending.fd)
+        with _lock:
+            if pending in _pending:  # not if a fork in this thread's process cleared the list
+                _pending.remove(pending)
+                if pending.error is not None:
+                    _failed.append(pending)
+        pending.done.set()
+
+
+def _withdraw(pending: _Pending) -> None:
+    """Remove a file whose fsync failed from its path, if the path still names that file: its
+    bytes may never reach the disk, so nothing may find it there after a crash or read it now."""
+    with contextlib.suppress(OSError):
+        info = os.stat(pending.path, follow_symlinks=False)
+        if (info.st_dev, info.st_ino) == pending.ident:
+            pending.path.unlink()
+            _fsync_dir(pending.directory)
+
+
+def pending_paths() -> list[Path]:
+    """Files of this process whose background fsync has not finished."""
+    with _lock:
+        return [p.path for p in _pending]
+
+
+def wait_pending(directory: str | os.PathLike[str] | None = None, *, block: bool = True) -> None:
+    """Wait for this process's background fsyncs (of files in ``directory``, or all), then raise
+    ``BackgroundSyncError`` for the first failed one not yet reported (every failure is raised
+    once). ``block=False`` only raises failures already known."""
+    where = None if directory is None else os.path.realpath(directory)
+    if block:
+        with _lock:
+            waiting = [p for p in _pending if where is None or os.path.realpath(p.directory) == where]
+        for pending in waiting:
+            pending.done.wait()
+    with _lock:
+        if not _failed:
+            return
+        first = _failed.pop(0)
+        others = len(_failed)
+        _failed.clear()
+    raise BackgroundSyncError(first.path, first.error or OSError("unknown"), others)
+
+
+def _wait_at_exit() -> None:
+    """At interpreter exit: wait for every background fsync; print failures not yet raised."""
+    try:
+        wait_pending()
+    except BackgroundSyncError as e:
+        more = f" ({e.others} more file(s) failed too)" if e.others else ""
+        print(
+            f"torchrepro: ERROR: {e.path} could not be written to disk durably (fsync failed: "
+            f"{e.strerror}){more}. It was removed, so it cannot be found and used after a crash; "
+            "save it again.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has no fsync threads: it starts with no pending syncs (the parent finishes
+    and reports its own), and a fresh lock (the parent's may have been held by another thread)."""
+    global _lock
+    _lock = threading.Lock()
+    _pending.clear()
+    _failed.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

@@ -2,8 +2,21 @@
 
 Invariants:
 - A checkpoint is one ``torch.save`` file written atomically (temporary file in the same
-  directory, fsync, rename): a crash at any moment leaves the old file or the new one, never a
-  torn one. It loads with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
+  directory, then it appears at its path complete): a crash at any moment leaves the old file or
+  the new one, never a torn one at a path that held a checkpoint. When ``save_checkpoint``
+  returns, the complete file is at its path, so killing the process (SIGKILL, OOM, preemption)
+  right after cannot lose it. By default (``durable="background"``) a save to a NEW path makes
+  the file visible first and fsyncs it (and the directory) in a background thread: only a power
+  loss in that moment can lose it, and a file torn that way fails its checksums, so
+  ``latest_checkpoint`` skips it and ``load_checkpoint`` refuses it. A save over an existing file,
+  and every save with ``durable="now"``, fsyncs before the rename, as plain atomic writes do.
+- Every call that saves, and ``latest_checkpoint`` (for its directory), first waits for this
+  process's pending background fsyncs, so it never returns a file this process saved that is
+  not yet durable (other processes see such a file complete, not necessarily on disk);
+  ``wait_for_checkpoints()`` and interpreter exit wait for all of them. A background fsync that
+  fails removes its file from the path and is raised (``CheckpointWriteError``) by the next
+  save, load, ``latest_checkpoint`` or ``wait_for_checkpoints`` call, or printed at exit.
+- A checkpoint loads with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
   containers of them; anything else is refused when SAVING, naming the object and the key.
 - Every object's state is saved with a checksum (structure, dtypes, shapes, CRC32 of the tensor
   bytes: memory speed); ``load_checkpoint`` checksums the restored state again and raises
@@ -63,7 +76,13 @@ from torchrepro.hashing import fingerprint
 if TYPE_CHECKING:
     from torchrepro.rng import RngState
 
-__all__ = ["FORMAT_VERSION", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "FORMAT_VERSION",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_for_checkpoints",
+]
 
 FORMAT_VERSION = 2
 """Version of the checkpoint layout; files with a newer version are refused with a clear error.
@@ -290,7 +309,10 @@ def _rank_path(path: Path, rank: int) -> Path:
 # --------------------------------------------------------------------------- save
 
 
-def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
+_DURABLE = ("background", "now")
+
+
+def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "background", **objects: Any) -> str:
     """Save ``objects`` by name, plus the full RNG state and an environment record, atomically.
 
     Each object is saved by kind: modules, optimizers, LR schedulers, ``torch.amp.GradScaler``,
@@ -306,6 +328,19 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     Under ``torch.distributed`` call it on every rank with the same ``path``: rank 0 writes
     ``path``, rank ``r`` writes ``path + ".rank<r>"``. Returns the path this process wrote.
 
+    When it returns, the complete checkpoint is at the returned path: a process killed right
+    after still leaves it there, complete and loadable. ``durable`` decides when it is also safe
+    from a power loss (on disk, not only in the OS's cache):
+
+    - ``"background"`` (default): a new file is fsynced (with its directory) in a background
+      thread; the next save, ``latest_checkpoint`` of its directory, ``wait_for_checkpoints()``
+      and interpreter exit wait for it. A file that already exists at ``path`` is replaced only
+      after the new one is on disk, so a power loss never costs an earlier checkpoint; only the
+      one being saved, which a torn write makes fail its checksums (never silently used).
+    - ``"now"``: on disk before it returns (fsync, rename, fsync of the directory).
+
+    ``durable`` is an option, so it cannot name a saved object.
+
     >>> import tempfile, torch, torchrepro
     >>> model = torch.nn.Linear(2, 1)
     >>> with tempfile.TemporaryDirectory() as d:
@@ -315,6 +350,11 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     """
     from torchrepro.rng import RngState
 
+    if not isinstance(durable, str) or durable not in _DURABLE:
+        raise ValueError(
+            f"save_checkpoint(durable=...) is an option, 'background' (default) or 'now', got "
+            f"{durable!r}; to save an object named 'durable', give it another name."
+        )
     target = Path(path)
     if target.name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(target.name):
         raise ValueError(
@@ -362,9 +402,10 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
     }
     _check_loadable(payload["env"], "environment record")
     out = _rank_path(target, rank)
+    _wait_pending()  # one background fsync at a time; an earlier save's failure is raised here
     existed = out.is_file()
     try:
-        with _io.atomic_open(out, "wb") as f:
+        with _io.atomic_open(out, "wb", background=durable == "background") as f:
             torch.save(payload, f)
     except Exception as e:
         cause = _os_error_in(e)
@@ -373,6 +414,32 @@ def save_checkpoint(path: str | os.PathLike[str], /, **objects: Any) -> str:
         raise _write_error(out, cause, existed) from None
     _clock.observe(saved_at_ns, sequence)
     return str(out)
+
+
+def wait_for_checkpoints() -> None:
+    """Wait until every checkpoint this process saved is on disk (fsynced, with its directory).
+
+    Raises ``CheckpointWriteError`` naming the file if a background fsync failed (the file was
+    removed from its path: save it again). ``save_checkpoint(..., durable="now")`` waits for its
+    own file; interpreter exit waits for all.
+    """
+    _wait_pending()
+
+
+def _wait_pending(directory: Path | None = None, *, block: bool = True) -> None:
+    try:
+        _io.wait_pending(directory, block=block)
+    except _io.BackgroundSyncError as e:
+        more = f" ({e.others} more checkpoint file(s) failed the same way)" if e.others else ""
+        fact, fix = _WRITE_FAILURES.get(e.errno or 0, (None, "Fix the cause and save it again"))
+        error = CheckpointWriteError(
+            f"Cannot write checkpoint {e.path} to disk: the background fsync after save_checkpoint "
+            f"returned failed: {f'{fact} ({e.strerror})' if fact else e.strerror}{more}. The file was "
+            f"removed, so nothing can resume from a copy that may not be on disk. {fix}; earlier "
+            "checkpoints are intact."
+        )
+        error.errno = e.errno
+        raise error from None
 
 
 def _os_error_in(error: BaseException) -> OSError | None:
@@ -908,6 +975,9 @@ def load_checkpoint(
     from torchrepro.rng import RngState
 
     _check_limit(max_expanded_bytes)
+    # A file still being fsynced is complete at its path: reading it needs no wait. A background
+    # fsync that already failed is raised here.
+    _wait_pending(block=False)
     base = Path(path)
     rank, world_size = _distributed()
     file = _rank_path(base, rank)
@@ -1123,6 +1193,10 @@ def latest_checkpoint(
     file's stored states are also checked against their checksums (one full read);
     ``verify=False`` checks structure only, and ``load_checkpoint`` still verifies.
 
+    It first waits for this process's background fsyncs in ``directory`` (see ``save_checkpoint``),
+    so it never returns a file that is not yet on disk, nor an older checkpoint than the one just
+    saved; a background fsync that failed is raised as ``CheckpointWriteError``.
+
     Anything named like a checkpoint that is not a readable checkpoint file (a directory, a
     symlink loop, a file without read permission, one declaring more than ``max_expanded_bytes``
     once unpacked, see ``load_checkpoint``) is skipped with a ``ReproWarning`` too.
@@ -1131,6 +1205,9 @@ def latest_checkpoint(
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
+    # Never return a file that is not durable yet: wait for this process's fsyncs there rather
+    # than skip their files (that would resume from an older checkpoint than the one just saved).
+    _wait_pending(root)
     try:
         files = sorted(root.iterdir())
     except OSError as e:
