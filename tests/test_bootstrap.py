@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchrepro import runrecord
 from torchrepro._child import bootstrap
 from torchrepro._child.bootstrap import _MaxStepsReached, _module_code, _parse, _rank, _script_code, _Session
-from torchrepro._child.spec import ENV_PREFIX, ChildSpec
+from torchrepro._child.spec import ENV_PREFIX, PARENT_RANK_VAR, ChildSpec
 
 # --- _parse ---------------------------------------------------------------------------------------
 
@@ -136,6 +137,22 @@ def test_no_max_steps_never_ends_the_run() -> None:
     for step in range(100):
         session.on_step(opt, 0, step)
     session.close()
+
+
+def test_varied_loaders_are_noted_when_varied_not_only_at_exit(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A check stops a run at its first divergence, maybe before close(): the note must exist."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(PARENT_RANK_VAR, "")  # so the mark the session leaves for children is undone
+    monkeypatch.delenv(PARENT_RANK_VAR)
+    session = _Session(ChildSpec(num_workers="other", record_dir=os.fspath(tmp_path)), None)
+    session.on_vary(2, 0)
+    assert runrecord.read_varied(tmp_path, 0) == [(2, 0)]
+    session.on_vary(0, 2)  # a framework building its second loader
+    assert runrecord.read_varied(tmp_path, 0) == [(2, 0), (0, 2)]
+    session.close()
+    assert runrecord.read_varied(tmp_path, 0) == [(2, 0), (0, 2)]
 
 
 # --- main(): the early exits ----------------------------------------------------------------------

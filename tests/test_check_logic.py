@@ -152,6 +152,10 @@ def test_check_result_to_dict_shape() -> None:
         "op": "aten.mm",
         "module": "fc",
         "location": "t.py:9",
+        "key": None,
+        "name": None,
+        "shape": None,
+        "dtype": None,
     }
     assert "error" not in data and json.loads(json.dumps(data)) == data
 

@@ -175,6 +175,10 @@ def test_divergence_to_dict_is_the_verdict_shape() -> None:
         "op": "aten.mm",
         "module": None,
         "location": None,
+        "key": "optimizer0",
+        "name": None,
+        "shape": None,
+        "dtype": None,
     }
 
 
@@ -348,6 +352,7 @@ def test_the_first_differing_tensor_is_reported(tmp_path: Path) -> None:
         "dtype": "float32",
         "max_abs_diff": 0.25,
         "nonfinite": False,
+        "name": None,
     }
 
 

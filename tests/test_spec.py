@@ -207,7 +207,7 @@ def test_every_process_start_variable_only_when_asked() -> None:
         ({"trace_step": -1, "trace_out": "/t"}, "trace_step"),
         ({"trace_step": 2}, "trace_step and trace_out"),
         ({"trace_out": "/t"}, "trace_step and trace_out"),
-        ({"trace_optimizer": -1}, "trace_optimizer"),
+        ({"trace_optimizer": -2}, "trace_optimizer"),
         ({"num_workers": "x"}, "num_workers"),
         ({"num_workers": "-1"}, "num_workers"),
         ({"num_workers": ""}, "num_workers"),

@@ -9,6 +9,10 @@ Invariants:
   on Ctrl-C and on SIGTERM (process trees, torchrun ranks included).
 - Each check writes only below its own fresh directory (``.torchrepro/checks/<id>/``): ``run<i>/``
   run records, ``locate<j>/`` trace re-runs, ``verdict.json``.
+- The ranks compared are ``--nproc``'s and every rank a run's record shows (events files, the
+  world sizes ranks noted when they joined a process group), so ranks the script starts itself
+  are compared too; a rank that should exist but wrote no record, or a python child the script
+  started that trained without a rank of its own, makes the verdict inconclusive with a note.
 - A ``compute`` divergence at step k is located (op, module, line) by re-running both sides
   with op tracing for step k only; locating is best effort and never fails the check.
 """
@@ -135,6 +139,16 @@ class _Run:
     def __post_init__(self) -> None:
         self.tails = [EventTail(runrecord.events_path(self.record_dir, r)) for r in range(self.ranks)]
 
+    def discover(self) -> int:
+        """The ranks this run has shown so far (the script may start ranks itself)."""
+        return max(self.ranks, max(runrecord.ranks_present(self.record_dir), default=-1) + 1)
+
+    def add_ranks(self, ranks: int) -> None:
+        """Follow the events of ranks up to ``ranks`` (files that may not exist yet)."""
+        while len(self.tails) < ranks:
+            self.tails.append(EventTail(runrecord.events_path(self.record_dir, len(self.tails))))
+        self.ranks = max(self.ranks, ranks)
+
     def poll(self) -> bool:
         """Read new events; True once the process has exited (events then complete)."""
         if self.proc is None:  # not started yet (--serial)
@@ -158,7 +172,10 @@ class _Run:
     def steps_done(self) -> int:
         if not self.tails:
             return 0
-        return sum(1 for e in self.tails[0].events if e["kind"] == "compute" and e["key"] == "optimizer0")
+        events = self.tails[0].events
+        optimizer = sum(1 for e in events if e["kind"] == "compute" and e["key"] == "optimizer0")
+        # steps no optimizer sees: two events each (gradients, then the parameters after the update)
+        return optimizer or sum(1 for e in events if e["kind"] == "compute" and e["key"] == "backward") // 2
 
     def stderr_tail(self, lines: int = 25) -> str:
         try:
@@ -211,6 +228,18 @@ def _varied_workers(run: _Run, ranks: int) -> tuple[str, bool]:
     return f"--vary workers: num_workers {parts} in {loaders} (run {run.index + 1})", True
 
 
+def _varied_setting(specs: tuple[ChildSpec, ChildSpec]) -> str | None:
+    """How ``--vary threads`` started the two located runs differently, in words (else None)."""
+    a, b = specs
+    if a.threads is None or b.threads is None or a.threads == b.threads:
+        return None
+
+    def threads(n: int) -> str:
+        return f"{n} thread{'s' if n != 1 else ''}"
+
+    return f"between {threads(a.threads)} (first run) and {threads(b.threads)} (other run)"
+
+
 def _make_run(index: int, record_dir: Path, command: list[str], spec: ChildSpec, *, ranks: int) -> _Run:
     spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
     env = spec.to_env()
@@ -220,6 +249,39 @@ def _make_run(index: int, record_dir: Path, command: list[str], spec: ChildSpec,
     # split, so no result changes; a policy the user set is kept.
     env.setdefault(_OMP_WAIT, "PASSIVE")
     return _Run(index=index, record_dir=record_dir, command=command, env=env, ranks=ranks)
+
+
+def _discover_ranks(runs: list[_Run], cursors: dict[tuple[int, int], RankCursor]) -> None:
+    """Compare the ranks a script started itself too, once any run shows them."""
+    ranks = max(run.discover() for run in runs)
+    first = runs[0]
+    for run in runs:
+        run.add_ranks(ranks)
+    for run in runs[1:]:
+        for r in range(ranks):
+            if (run.index, r) not in cursors:
+                cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+
+
+def _rank_notes(runs: list[_Run], nproc: int | None) -> list[str]:
+    """Why ranks the script started itself, or python children it started, were not compared."""
+    notes: list[str] = []
+    started = max(run.ranks for run in runs)
+    for r in range(nproc or 1, started):
+        missing = [run.index + 1 for run in runs if not runrecord.events_path(run.record_dir, r).exists()]
+        if missing:
+            notes.append(
+                f"rank {r} (started by the script) wrote no record in run(s) "
+                f"{', '.join(map(str, missing))}: it joined the process group but was not a python "
+                "process torchrepro could configure (e.g. a forked process), or it ended first"
+            )
+    children: dict[str, list[int]] = {}
+    for run in runs:
+        for line in runrecord.read_uncovered(run.record_dir):
+            children.setdefault(line, []).append(run.index + 1)
+    for line, indices in children.items():
+        notes.append(f"run(s) {', '.join(map(str, indices))}: {line}")
+    return notes
 
 
 def _watch(
@@ -245,6 +307,7 @@ def _watch(
     last_steps: tuple[int, ...] = ()
     failed: _Run | None = None
     while True:
+        _discover_ranks(runs, cursors)
         done = [run.poll() for run in runs]
         if serial and done[0] and runs[0].returncode == 0 and runs[-1].proc is None:
             for run in runs[1:]:
@@ -272,14 +335,21 @@ def _watch(
                 last_steps = steps
                 progress(CheckProgress(phase="running", steps=steps))
         time.sleep(poll_interval)
+    _discover_ranks(runs, cursors)
     for run in runs:  # events written up to the stop still count
         run.poll()
     for (i, r), cursor in cursors.items():
         d = cursor.advance()
         if d is not None and (i, r) not in found:
             found[(i, r)] = d
-    # "first in run order": the earliest step; ties go to the earlier run, then the lower rank
-    divergences = sorted(((i, d) for (i, _), d in found.items()), key=lambda x: (x[1].step, x[0], x[1].rank))
+    # "first in run order": the earliest step; at one step the event a rank meets first (its batch
+    # and recorded values before the optimizer step that all-reduced gradients spread to every
+    # rank); then the earlier run, then the lower rank
+    order = {"init": 0, "data": 1, "record": 2, "compute": 3}
+    divergences = sorted(
+        ((i, d) for (i, _), d in found.items()),
+        key=lambda x: (x[1].step, order.get(x[1].kind, 3), x[0], x[1].rank),
+    )
     return divergences, list(cursors.values()), failed
 
 
@@ -323,7 +393,7 @@ def check_script(
         threads=threads,
         max_steps=steps,
     )
-    check_target(script, module)
+    check_target(script, module, args, command="check")
     command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
     check_dir = runrecord.new_run_dir(root)
     ranks = nproc or 1
@@ -344,6 +414,9 @@ def check_script(
     finally:
         for run in all_runs:
             run.stop()
+    ranks = max(run.ranks for run in all_runs)  # with the ranks the script started itself
+    rank_notes = _rank_notes(all_runs, nproc)
+    notes.extend(rank_notes)
     if failed is not None:
         result = CheckResult(
             reproducible=None,
@@ -380,6 +453,9 @@ def check_script(
     if first is None and not covered.conclusive:
         reproducible = None
         notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
+    elif first is None and rank_notes:
+        reproducible = None
+        notes.append("inconclusive: a python process the script started trained unrecorded (above)")
     if vary == "workers" and runs > 1:
         varied_note, varied_anything = _varied_workers(all_runs[1], ranks)
         notes.append(varied_note)
@@ -448,7 +524,7 @@ def _locate(
         if not traces:
             notes.append("locating: no op trace was written (op tracing unavailable in this build)")
             return first, notes
-        located, compare_notes, failed_ranks = locate_in_traces(first, traces)
+        located, compare_notes, failed_ranks = locate_in_traces(first, traces, varied=_varied_setting(specs))
         notes.extend(f"locating: {note}" for note in compare_notes)
         if located is not None:
             return located, notes

@@ -21,6 +21,7 @@ import torchrepro
 
 if TYPE_CHECKING:
     from torchrepro.audit import AuditReport
+    from torchrepro.compare import Divergence
     from torchrepro.env import EnvDifference
 
 EXIT_OK = 0
@@ -153,9 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--steps",
-        type=_integer(1, "a number of optimizer steps"),
+        type=_integer(1, "a number of training steps"),
         default=None,
-        help="stop every run after N optimizer steps (default: run the script to its end)",
+        help="stop every run after N training steps: optimizer steps, or backward() calls in a script "
+        "that updates weights without torch.optim (default: run the script to its end)",
     )
     p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks per run through torchrun")
     p.add_argument("--seed", type=seed_type, default=0, help="the runs' seed, 0 to 2**64-1 (default 0)")
@@ -281,10 +283,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _render_divergence(d: dict[str, object]) -> str:
-    where = f"{d['kind']} at step {d['step']}" + (f", rank {d['rank']}" if d.get("rank") else "")
-    extra = [f"{k} {d[k]}" for k in ("op", "module", "location") if d.get(k)]
-    return where + (" (" + ", ".join(extra) + ")" if extra else "")
+def _render_divergence(divergence: Divergence) -> str:
+    d = divergence
+    step = f"batch {d.step}" if d.kind == "data" else f"step {d.step}"
+    where = f"{d.kind} at {step}" + (f", rank {d.rank}" if d.rank else "")
+    of = {"data": f"of {d.key}", "record": f"of record {d.key!r}"}.get(d.kind, f"of {d.key}")
+    if d.key == "backward":
+        where += " (parameters at the first backward())" if d.kind == "init" else " (a backward() step)"
+    elif d.key and not (d.kind == "compute" and d.key == "optimizer0"):
+        where += f" ({of})" if d.kind != "init" else f" (parameters given to {d.key})"
+    extra = []
+    what = d.what()
+    if what:
+        extra.append(f"first differing: {what}")
+    if d.kind == "data" and d.location:
+        extra.append(f"loader created at {d.location}")
+    elif d.op:
+        extra += [f"{k} {v}" for k, v in (("op", d.op), ("module", d.module), ("location", d.location)) if v]
+    return where + ("; " + ", ".join(extra) if extra else "")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -340,11 +356,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if result.inconclusive:
             print(f"INCONCLUSIVE: {result.runs} runs did not differ, but not enough was compared to say so")
         elif result.reproducible:
-            print(f"reproducible: {result.runs} runs identical over {result.steps_compared} optimizer steps")
+            print(f"reproducible: {result.runs} runs identical over {result.steps_compared} training steps")
         else:
-            d = verdict["first_divergence"]
-            print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
-            print(f"  ({result.steps_compared} optimizer steps compared; records in {result.check_dir})")
+            assert result.first_divergence is not None
+            print(f"NOT reproducible: first divergence: {_render_divergence(result.first_divergence)}")
+            print(f"  ({result.steps_compared} training steps compared; records in {result.check_dir})")
         if result.coverage is not None:
             print(f"  {result.coverage.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
@@ -358,7 +374,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from torchrepro.compare import compare_runs
+    from torchrepro.compare import compare_runs, describe_name
 
     result = compare_runs(args.run_a, args.run_b)
     data = result.to_dict()
@@ -368,9 +384,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         if result.reproducible is None:
             print("INCONCLUSIVE: the runs did not differ, but not enough was compared to say so")
         elif result.reproducible:
-            print(f"identical: {result.steps_compared} optimizer steps compared")
+            print(f"identical: {result.steps_compared} training steps compared")
         else:
-            print(f"NOT identical: first divergence: {_render_divergence(data['first_divergence'])}")
+            assert result.first_divergence is not None
+            print(f"NOT identical: first divergence: {_render_divergence(result.first_divergence)}")
         for note in result.notes:
             print(f"  {note}")
         if not result.reproducible and result.tensor is not None:
@@ -381,7 +398,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
                 diff = "not stored (tensor too large)"
             else:
                 diff = f"{t.max_abs_diff:.3g}"
-            print(f"  first differing tensor: #{t.leaf} {t.dtype}{t.shape}, largest |a-b|: {diff}")
+            kind = result.first_divergence.kind if result.first_divergence is not None else ""
+            label = describe_name(t.name, kind) if t.name else f"#{t.leaf}"
+            print(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
         breaking = [d for d in data["env_differences"] if d.get("breaks")]
         for d in data["env_differences"]:
             mark = "!" if d.get("breaks") else " "

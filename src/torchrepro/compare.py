@@ -46,7 +46,11 @@ class Divergence:
     """Where two runs first part: ``kind`` (init/data/compute/record), ``step``, ``rank``.
 
     ``op``, ``module`` and ``location`` name the source operation when it was located (else
-    None); ``key`` says which optimizer, loader or recorded name the event belongs to.
+    None; for a ``data`` divergence ``location`` is where the script created the DataLoader);
+    ``key`` says which optimizer (``optimizer0``), loader (``loader0``), recorded name, or
+    ``backward`` (steps no optimizer sees) the event belongs to; ``name`` which tensor of it
+    differs first: ``param:<path>``, ``grad:<path>``, ``state:<path>:<key>``, a batch field
+    (``[0]``, ``["input_ids"]``), with ``shape`` and ``dtype``.
     """
 
     step: int
@@ -57,6 +61,9 @@ class Divergence:
     location: str | None = None
     key: str | None = None
     index: int = 0
+    name: str | None = None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The ``first_divergence`` object of the ``check --json`` verdict."""
@@ -67,7 +74,35 @@ class Divergence:
             "op": self.op,
             "module": self.module,
             "location": self.location,
+            "key": self.key,
+            "name": self.name,
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
         }
+
+    def what(self) -> str | None:
+        """The differing tensor in words: ``gradient of fc.weight``, ``batch field [0] float32[4, 3]``."""
+        if self.name is None:
+            return None
+        typed = "" if self.dtype is None or self.shape is None else f" {self.dtype}{list(self.shape)}"
+        return describe_name(self.name, self.kind) + typed
+
+
+def describe_name(name: str, kind: str) -> str:
+    """A recorded tensor name in words (see ``_child.training`` for the names)."""
+    part, _, rest = name.partition(":")
+    if part == "grad" and rest:
+        return f"gradient of {rest}"
+    if part == "param" and rest:
+        return f"parameter {rest}"
+    if part == "final" and rest:
+        return f"final value of {rest}"
+    if part == "state" and rest:
+        param, _, key = rest.rpartition(":")
+        return f"optimizer state {key!r} of {param}"
+    if kind == "data":
+        return f"batch field {name}" if name else "the batch"
+    return name or "the value"
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -87,7 +122,8 @@ class RankCursor:
         self.divergence: Divergence | None = None
         self.max_step_compared = -1
         self.compared: dict[str, int] = {}
-        """Events compared so far, per kind (the diverging one included)."""
+        """Events compared so far, per kind (the diverging one included; the ``compute`` event of
+        the state at exit counts as ``final``)."""
 
     def advance(self, *, a_done: bool = False, b_done: bool = False) -> Divergence | None:
         """Compare every event both sides now have; with ``*_done`` a missing event diverges."""
@@ -96,14 +132,13 @@ class RankCursor:
             has_a, has_b = i < len(self.a), i < len(self.b)
             if has_a and has_b:
                 ea, eb = self.a[i], self.b[i]
-                self.compared[ea["kind"]] = self.compared.get(ea["kind"], 0) + 1
+                counted = _counted_kind(ea)
+                self.compared[counted] = self.compared.get(counted, 0) + 1
+                if counted == "compute":
+                    self.max_step_compared = max(self.max_step_compared, ea["step"])
                 if not _same(ea, eb):
                     self.divergence = _divergence(ea, eb, self.rank, i)
-                    if ea["kind"] == "compute":
-                        self.max_step_compared = max(self.max_step_compared, ea["step"])
                     break
-                if ea["kind"] == "compute":
-                    self.max_step_compared = max(self.max_step_compared, ea["step"])
                 self.position += 1
             elif has_a and b_done:
                 self.divergence = _divergence(self.a[i], None, self.rank, i)
@@ -114,6 +149,15 @@ class RankCursor:
         return self.divergence
 
 
+FINAL_KEY = "final"
+"""The key of the ``compute`` event of the state at exit (``_child.training.FINAL_KEY``)."""
+
+
+def _counted_kind(event: dict[str, Any]) -> str:
+    """The kind an event counts as in the coverage: the state at exit is ``final``, not a step."""
+    return "final" if event["kind"] == "compute" and event["key"] == FINAL_KEY else str(event["kind"])
+
+
 def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, index: int) -> Divergence:
     event = a if a is not None else b
     assert event is not None
@@ -122,7 +166,34 @@ def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, i
     different = a is not None and b is not None and (a["kind"], a["key"]) != (b["kind"], b["key"])
     if different and b is not None and b["step"] < step:
         kind, step, event = b["kind"], b["step"], b
-    return Divergence(step=int(step), rank=rank, kind=str(kind), key=str(event["key"]), index=index)
+    name = shape = dtype = None
+    if a is not None and b is not None and not different:
+        leaf = _first_differing_leaf(a, b)
+        if leaf is not None:
+            name, shape, dtype = leaf.get("n", ""), tuple(leaf["shape"]), str(leaf["dtype"])
+    source = event.get("src") if kind == "data" else None
+    return Divergence(
+        step=int(step),
+        rank=rank,
+        kind=str(kind),
+        key=str(event["key"]),
+        index=index,
+        location=source if isinstance(source, str) else None,
+        name=name,
+        shape=shape,
+        dtype=dtype,
+    )
+
+
+def _first_differing_leaf(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """The first tensor entry of ``a`` that differs from ``b``'s (by fingerprint or structure)."""
+    ta, tb = a.get("t", []), b.get("t", [])
+    for la, lb in zip(ta, tb, strict=False):
+        if la["fp"] != lb["fp"] or la.get("n") != lb.get("n"):
+            return dict(la)
+    if len(ta) > len(tb):
+        return dict(ta[len(tb)])
+    return None
 
 
 def earliest(divergences: list[Divergence]) -> Divergence | None:
@@ -149,11 +220,14 @@ class TensorDifference:
     dtype: str
     max_abs_diff: float | None
     nonfinite: bool = False
+    name: str | None = None
+    """The tensor's recorded name (``grad:fc.weight``, ``[0]``...), if it has one."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (strict JSON: never NaN or an infinity)."""
         return {
             "leaf": self.leaf,
+            "name": self.name,
             "shape": self.shape,
             "dtype": self.dtype,
             "max_abs_diff": self.max_abs_diff,
@@ -293,7 +367,12 @@ def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference 
             diff = _largest_difference(va, vb)
             nonfinite = diff is None
         return TensorDifference(
-            leaf=i, shape=list(la["shape"]), dtype=str(la["dtype"]), max_abs_diff=diff, nonfinite=nonfinite
+            leaf=i,
+            shape=list(la["shape"]),
+            dtype=str(la["dtype"]),
+            max_abs_diff=diff,
+            nonfinite=nonfinite,
+            name=la.get("n"),
         )
     return None
 
@@ -321,11 +400,11 @@ class Coverage:
 
     @property
     def uncovered_ranks(self) -> tuple[int, ...]:
-        """Expected ranks where nothing beyond ``init`` was compared (no record, or no training)."""
+        """Expected ranks where nothing beyond ``init`` (and the state at exit) was compared."""
         return tuple(
             r
             for r in self.ranks_expected
-            if not any(n for kind, n in self.per_rank.get(r, {}).items() if kind != "init")
+            if not any(n for kind, n in self.per_rank.get(r, {}).items() if kind not in ("init", "final"))
         )
 
     @property
@@ -337,6 +416,8 @@ class Coverage:
         """One line for people: what was compared, and what was not."""
         counts = self.per_kind
         parts = [f"{counts.get(kind, 0)} {kind}" for kind in ("init", "data", "compute", "record")]
+        if counts.get("final"):
+            parts.append(f"{counts['final']} final")
         text = "events compared: " + ", ".join(parts)
         if len(self.ranks_expected) > 1:
             text += f" over ranks {', '.join(map(str, self.ranks_expected))}"
@@ -365,8 +446,7 @@ def coverage(cursors: Sequence[RankCursor], ranks_expected: Sequence[int]) -> Co
 
 INCONCLUSIVE_HINT = (
     "nothing that changes during training was compared: the script took no optimizer step, "
-    "read no DataLoader batch and recorded no value (a hand-written update loop or a custom "
-    "optimizer that is not a torch.optim.Optimizer is not seen yet); call "
+    "ran no backward(), read no DataLoader batch and recorded no value; call "
     "torchrepro.record(name, value) on what should be reproducible, e.g. the final weights"
 )
 
@@ -438,9 +518,12 @@ def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
 
 
 def optimizer_index(key: str | None) -> int:
-    """The index of the optimizer an event key names (``optimizer2`` -> 2; anything else -> 0)."""
+    """The optimizer an event key names (``optimizer2`` -> 2; ``backward`` -> -1, steps counted
+    by ``backward()``; anything else -> 0): the child's ``trace_optimizer``."""
     if key and key.startswith("optimizer") and key[len("optimizer") :].isdigit():
         return int(key[len("optimizer") :])
+    if key == "backward":
+        return -1
     return 0
 
 
@@ -485,7 +568,10 @@ def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Div
 
 
 def locate_in_traces(
-    first: Divergence, traces: Sequence[tuple[int, str | os.PathLike[str], str | os.PathLike[str]]]
+    first: Divergence,
+    traces: Sequence[tuple[int, str | os.PathLike[str], str | os.PathLike[str]]],
+    *,
+    varied: str | None = None,
 ) -> tuple[Divergence | None, list[str], list[int]]:
     """Compare per-rank op traces ``(rank, trace_a, trace_b)`` of the step ``first`` diverged at.
 
@@ -493,6 +579,9 @@ def locate_in_traces(
     (None when no pair of traces differs), notes on what went wrong or what the op did, and the
     ranks whose traces could not be compared (unreadable: never to be taken as matching).
     Among ranks, the source is an op that is not a collective, preferably on ``first.rank``.
+    ``varied`` says how the two runs were started differently on purpose (``check --vary``, e.g.
+    "with 1 thread in run 1 and 2 threads in run 2"): an op whose inputs are equal and whose output
+    differs is then explained by that setting, not called nondeterministic.
     """
     from torchrepro.tracing import OpDivergence, compare_traces
 
@@ -511,7 +600,13 @@ def locate_in_traces(
     if not located:
         return None, notes, failed
     r, d = _pick_source(located, prefer_rank=first.rank)
-    if d.note:
+    if varied is not None and d.inputs_equal:
+        notes.append(
+            f"source op {d.op}: every input is bitwise equal but its output differs {varied}: "
+            "the op's result depends on that setting (e.g. a reduction split across threads), "
+            "not on randomness"
+        )
+    elif d.note:
         notes.append(f"source op {d.op}: {d.note}")
     return replace(first, rank=r, op=d.op, module=d.module, location=d.location), notes, failed
 

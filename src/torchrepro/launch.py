@@ -12,6 +12,9 @@ Invariants:
 - What the child does is said by one ``ChildSpec`` (``_child.spec``, the child protocol); what
   the run record holds is written through ``runrecord``. ``trace_step=k`` traces the ops of
   optimizer step k into the record (one file per rank) and notes it in ``settings.json``.
+- Launchers of ranks (``torchrun``, ``-m torch.distributed.run``, ``accelerate launch``) are
+  refused as the target with the ``--nproc N`` command to use: ranks torchrepro starts itself
+  are bootstrapped and known to a check from the start.
 - ``relaunch`` re-executes the current process at most once (a marker variable), keeping its pid
   and environment (so a torchrun rank stays the rank its agent watches).
 """
@@ -105,8 +108,45 @@ def build_command(
     return [*torchrun, "-m", _BOOTSTRAP, *target, *args]
 
 
-def check_target(script: str | None, module: str | None) -> None:
-    """Raise ``LaunchError`` naming the script or module when it cannot be found."""
+_LAUNCHER_SCRIPTS = ("torchrun", "accelerate")
+_LAUNCHER_MODULES = (
+    "torch.distributed.run",
+    "torch.distributed.launch",
+    "accelerate.commands.launch",
+    "accelerate.commands.accelerate_cli",
+)
+_NPROC_OPTIONS = ("--nproc-per-node", "--nproc_per_node", "--num-processes", "--num_processes")
+
+
+def _refuse_launcher(launcher: str, args: Sequence[str], command: str) -> LaunchError:
+    """The error for ``torchrepro run|check torchrun ... script.py``: the ranks must be started
+    by torchrepro (``--nproc``) to be bootstrapped and known to the check from the start."""
+    nproc, script, rest = "N", "script.py", ["[args...]"]
+    it = iter(enumerate(args))
+    for i, arg in it:
+        name, _, value = arg.partition("=")
+        if name in _NPROC_OPTIONS:
+            nproc = value or next(it, (0, "N"))[1]
+        elif arg.endswith(".py"):
+            script, rest = arg, list(args[i + 1 :])
+            break
+    suggestion = " ".join([f"torchrepro {command} --nproc {nproc}", script, *rest])
+    return LaunchError(
+        f"`torchrepro {command} {launcher} ...` is not supported: torchrepro starts the ranks itself, "
+        f"so that every rank is seeded and recorded; run `{suggestion}` instead"
+    )
+
+
+def check_target(
+    script: str | None, module: str | None, args: Sequence[str] = (), *, command: str = "run"
+) -> None:
+    """Raise ``LaunchError`` naming the script or module when it cannot be found, or when it is a
+    launcher of ranks (torchrun, ``accelerate launch``: use ``--nproc`` instead)."""
+    if script is not None and os.path.basename(script) in _LAUNCHER_SCRIPTS:
+        launcher = os.path.basename(script) + (" launch" if args[:1] == ["launch"] else "")
+        raise _refuse_launcher(launcher, args, command)
+    if module is not None and module in _LAUNCHER_MODULES:
+        raise _refuse_launcher(f"-m {module}", args, command)
     if script is None and module is None:
         raise LaunchError("no script given; usage: torchrepro run [options] script.py [args] (or -m module)")
     if script is not None and not os.path.isfile(script):
@@ -250,7 +290,7 @@ def launch(
         trace_step=trace_step,
         trace_out=None if trace_step is None else "",  # the record's path, filled in below
     )
-    check_target(script, module)
+    check_target(script, module, args)
     command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
     notes = tuple(n for n in [nproc_note(nproc)] if n)
     run_dir = Path(record_dir) if record_dir is not None else runrecord.new_run_dir()

@@ -5,9 +5,12 @@ The events go to the run record's ``events.rank<R>.jsonl`` (file names: ``runrec
   killed run keeps everything it recorded up to the crash and a reader can tail the file live.
 - Every event has ``kind`` (``init``, ``data``, ``compute``, ``record``), ``key`` (which
   optimizer, loader or recorded name), ``step``, ``fp`` (``torchrepro.fingerprint`` of the
-  event's value) and ``t``: one entry per tensor leaf (its fingerprint, dtype, shape, and its
-  values when it has at most ``values_max`` elements, so ``compare`` can report the largest
-  absolute difference of a small tensor). Two runs agree at an event iff the events are equal
+  event's value) and ``t``: one entry per tensor leaf (its fingerprint, dtype, shape, its name
+  ``n`` when it has one, and its values when it has at most ``values_max`` elements, so
+  ``compare`` can report the largest absolute difference of a small tensor). A leaf's name is its
+  path in a batch (``[0]``, ``["input_ids"]``) or, in ``init``/``compute`` events, the parameter,
+  gradient or optimizer state it is (``_child.training``); a ``data`` event's ``src`` says where
+  the script created the DataLoader. Two runs agree at an event iff the events are equal
   in ``kind``, ``key``, ``step`` and ``fp``.
 - Recording changes nothing the script computes: hooks only read tensors (no RNG draw, no copy
   back) and are installed only by the child (``_child.hooks.install_recording``), never on import.
@@ -21,7 +24,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -53,10 +56,14 @@ def _fingerprint(obj: Any) -> str:
     return fingerprint(obj)
 
 
-def _flatten(obj: Any, leaves: list[torch.Tensor], depth: int = 0) -> Any:
-    """The structure of ``obj`` with tensor leaves replaced by their index in ``leaves``."""
+def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str = "", depth: int = 0) -> Any:
+    """The structure of ``obj`` with tensor leaves replaced by their index in ``leaves``.
+
+    ``names`` receives each leaf's path in ``obj``: ``[0]``, ``["input_ids"]``, ``[1]["mask"]``.
+    """
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
+        names.append(path)
         return {"tensor": len(leaves) - 1}
     if depth > 32:
         return f"<{type(obj).__name__}>"
@@ -65,23 +72,34 @@ def _flatten(obj: Any, leaves: list[torch.Tensor], depth: int = 0) -> Any:
     if isinstance(obj, bytes):
         return {"bytes": obj.hex()}
     if isinstance(obj, dict):
-        return {
-            "dict": [[_flatten(k, leaves, depth + 1), _flatten(v, leaves, depth + 1)] for k, v in obj.items()]
-        }
+        pairs = []
+        for k, v in obj.items():
+            key = _flatten(k, leaves, names, path, depth + 1)
+            pairs.append([key, _flatten(v, leaves, names, _sub(path, k), depth + 1)])
+        return {"dict": pairs}
     if isinstance(obj, (list, tuple)):
-        return {type(obj).__name__: [_flatten(v, leaves, depth + 1) for v in obj]}
+        items = [_flatten(v, leaves, names, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
+        return {type(obj).__name__: items}
     if hasattr(obj, "__array__") and hasattr(obj, "dtype"):  # a NumPy array or scalar
         try:
             leaves.append(torch.as_tensor(obj))
+            names.append(path)
             return {"tensor": len(leaves) - 1}
         except (TypeError, ValueError, RuntimeError):
             pass
     if isinstance(obj, torch.nn.Module):
-        return _flatten(obj.state_dict(), leaves, depth + 1)
+        return _flatten(obj.state_dict(), leaves, names, path, depth + 1)
     state_dict = getattr(obj, "state_dict", None)
     if callable(state_dict) and isinstance(obj, torch.optim.Optimizer):
-        return _flatten(state_dict(), leaves, depth + 1)
+        return _flatten(state_dict(), leaves, names, path, depth + 1)
+    if isinstance(obj, Mapping):  # a BatchEncoding or another mapping that is not a dict
+        return _flatten(dict(obj.items()), leaves, names, path, depth + 1)
     return f"<{type(obj).__module__}.{type(obj).__qualname__}>"
+
+
+def _sub(path: str, key: Any) -> str:
+    shown = json.dumps(key) if isinstance(key, str) else repr(key)
+    return f"{path}[{shown}]"
 
 
 def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
@@ -95,11 +113,23 @@ def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
     return entry
 
 
-def _digest(obj: Any, values_max: int) -> tuple[str, list[dict[str, Any]]]:
+def _digest(obj: Any, values_max: int, *, named: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """The event fingerprint of ``obj`` and an entry per tensor leaf (``n``: the leaf's name).
+
+    ``named``: ``obj`` is a list of ``(name, value)`` pairs; a leaf's name is its pair's name
+    (and the path inside the value, if the value is a container).
+    """
     leaves: list[torch.Tensor] = []
-    skeleton = _flatten(obj, leaves)
+    names: list[str] = []
+    if named:
+        skeleton: Any = [[name, _flatten(value, leaves, names, name)] for name, value in obj]
+    else:
+        skeleton = _flatten(obj, leaves, names)
     entries = [_leaf_entry(t, values_max) for t in leaves]
     fp = _fingerprint([json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries]])
+    for entry, name in zip(entries, names, strict=True):
+        if name:
+            entry["n"] = name
     return fp, entries
 
 
@@ -110,11 +140,23 @@ class Recorder:
     sees them, steps are counted per optimizer and batches per loader (across epochs).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, values_max: int = _VALUES_MAX_DEFAULT) -> None:
-        self.path = Path(path)
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None,
+        *,
+        values_max: int = _VALUES_MAX_DEFAULT,
+        claim: Callable[[], tuple[Path, IO[str]] | None] | None = None,
+    ) -> None:
+        """``path=None`` with ``claim``: the file is chosen at the first event, when the rank is
+        known (a script-started rank); ``claim()`` returns the path and the open file, or None
+        (this process records nothing)."""
+        self.path = None if path is None else Path(path)
         self.values_max = values_max
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
+        self._claim = claim
+        self._file: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115
         self._lock = threading.Lock()
         self._seq = 0
         self._pid = os.getpid()
@@ -122,16 +164,34 @@ class Recorder:
         self.loader_batches: dict[int, int] = {}
         self.n_optimizers = 0
         self.n_loaders = 0
+        self.backward_steps = 0
+        """Steps counted by ``backward()`` for training no optimizer sees (``_child.training``)."""
 
-    def write(self, kind: str, key: str, step: int, value: Any) -> None:
-        """Fingerprint ``value`` and append one event (not from forked DataLoader workers)."""
+    def write(
+        self, kind: str, key: str, step: int, value: Any, *, named: bool = False, source: str | None = None
+    ) -> None:
+        """Fingerprint ``value`` and append one event (not from forked DataLoader workers).
+
+        ``named``: ``value`` is a list of ``(name, value)`` pairs (see ``_digest``); ``source``:
+        where the thing the event belongs to was created (a DataLoader's ``file:line``).
+        """
         if os.getpid() != self._pid:  # a forked worker inherited the recorder: its order is not ours
             return
+        if self._file is None and self._claim is None:  # closed, or nothing to record into
+            return
         with paused():
-            fp, leaves = _digest(value, self.values_max)
-        event = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp, "t": leaves}
+            fp, leaves = _digest(value, self.values_max, named=named)
+        event: dict[str, Any] = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp}
+        event["t"] = leaves
+        if source is not None:
+            event["src"] = source
         line = json.dumps(event, separators=(",", ":")) + "\n"
         with self._lock:
+            if self._file is None and self._claim is not None:
+                claim, self._claim = self._claim, None
+                claimed = claim()
+                if claimed is not None:
+                    self.path, self._file = claimed
             if self._file is None:
                 return
             self._seq += 1
@@ -140,12 +200,13 @@ class Recorder:
 
     @property
     def current_step(self) -> int:
-        """Optimizer steps completed so far by the first optimizer (0 before any step)."""
-        return self.optimizer_steps.get(0, 0)
+        """Steps completed so far by the first optimizer, else by ``backward()`` (0 before any)."""
+        return self.optimizer_steps.get(0, self.backward_steps)
 
     def close(self) -> None:
         """Flush and close the events file (idempotent)."""
         with self._lock:
+            self._claim = None
             if self._file is not None:
                 self._file.close()
                 self._file = None

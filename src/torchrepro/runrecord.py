@@ -7,6 +7,10 @@ A run record is a directory (``torchrepro run``: ``.torchrepro/runs/<id>/``; ``c
 - ``settings.json``: the run's ``RunSettings`` (seed, mode, threads, what was varied...);
 - ``env.json``: the environment fingerprint, written by rank 0 of the child;
 - ``events.rank<R>.jsonl``: one JSON event a line per rank, appended and flushed as they happen;
+- ``world.rank<R>.json``: the rank and world size rank R saw when it joined a process group (so
+  a check knows the ranks a script started itself, recorded or not);
+- ``uncovered.pid<P>.json``: a python child the script started that trained without a rank of
+  its own (or whose rank was taken): its events were not recorded, and a check says so;
 - ``trace-step<K>.rank<R>``: op traces of optimizer step K (``run --trace-step K``);
 - ``stdout.log`` / ``stderr.log``: the run's output, when a check captured it;
 - ``verdict.json``: a check's verdict, at the top of its check directory.
@@ -63,14 +67,19 @@ __all__ = [
     "new_run_id",
     "ops_path",
     "parse_json",
+    "ranks_present",
     "read_events",
     "read_json",
+    "read_uncovered",
+    "read_world",
     "trace_path",
     "trace_prefix",
     "validate_event",
     "write_env",
     "write_run_files",
+    "write_uncovered",
     "write_verdict",
+    "write_world",
 ]
 
 COMMAND_FILE = "command.json"
@@ -97,6 +106,8 @@ _MAX_INDEX = 2**63 - 1
 _EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 _TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
 _OPS_GLOB = "*.rank*.json"
+_WORLD_RE = re.compile(r"^world\.rank(\d+)\.json$")
+_UNCOVERED_RE = re.compile(r"^uncovered\.pid(\d+)\.json$")
 
 
 def new_run_id() -> str:
@@ -152,6 +163,75 @@ def read_varied(run_dir: str | os.PathLike[str], rank: int) -> list[tuple[int, i
     return [(c[0], c[1]) for c in data]
 
 
+def write_world(run_dir: str | os.PathLike[str], rank: int, world_size: int) -> None:
+    """Note that ``rank`` joined a process group of ``world_size`` ranks (``world.rank<R>.json``)."""
+    atomic_write_json(Path(run_dir) / f"world.rank{rank}.json", {"rank": rank, "world_size": world_size})
+
+
+def read_world(run_dir: str | os.PathLike[str]) -> dict[int, int]:
+    """``{rank: world size}`` of every ``write_world`` note in ``run_dir`` (malformed ones skipped:
+    a torn note must not hide the ranks the others name)."""
+    found: dict[int, int] = {}
+    try:
+        names = [p.name for p in Path(run_dir).iterdir()]
+    except OSError:
+        return found
+    for name in names:
+        m = _WORLD_RE.match(name)
+        if not m:
+            continue
+        try:
+            data = read_json(Path(run_dir) / name)
+        except EnvFileError:
+            continue
+        size = data.get("world_size") if isinstance(data, dict) else None
+        if type(size) is int and 0 < size <= 1 << 20:
+            found[int(m.group(1))] = size
+    return found
+
+
+def ranks_present(run_dir: str | os.PathLike[str]) -> set[int]:
+    """The ranks ``run_dir`` shows to exist: those with an events file, and every rank of the
+    world sizes ``write_world`` noted (a rank that joined a process group but recorded nothing)."""
+    try:
+        names = [p.name for p in Path(run_dir).iterdir()]
+    except OSError:
+        return set()
+    found = {int(m.group(1)) for m in map(_EVENTS_RE.match, names) if m}
+    if any(_WORLD_RE.match(name) for name in names):
+        found.update(range(max(read_world(run_dir).values(), default=0)))
+    return found
+
+
+def write_uncovered(run_dir: str | os.PathLike[str], pid: int, argv: Sequence[str], reason: str) -> None:
+    """Note a python child whose events could not be recorded (``uncovered.pid<P>.json``)."""
+    atomic_write_json(Path(run_dir) / f"uncovered.pid{pid}.json", {"argv": list(argv), "reason": reason})
+
+
+def read_uncovered(run_dir: str | os.PathLike[str]) -> list[str]:
+    """One line per ``write_uncovered`` note in ``run_dir``: the child's command and why."""
+    lines: list[str] = []
+    try:
+        names = sorted(p.name for p in Path(run_dir).iterdir())
+    except OSError:
+        return lines
+    for name in names:
+        if not _UNCOVERED_RE.match(name):
+            continue
+        try:
+            data = read_json(Path(run_dir) / name)
+        except EnvFileError:
+            data = None
+        if not isinstance(data, dict):
+            lines.append(f"a python child ({name}) was not recorded")
+            continue
+        argv = data.get("argv")
+        command = " ".join(["python", *map(str, argv[1:])]) if isinstance(argv, list) else "python ?"
+        command = command if len(command) <= 160 else command[:157] + "..."
+        lines.append(f"python child `{command}` was not recorded: {data.get('reason')}")
+    return lines
+
+
 def trace_prefix(run_dir: str | os.PathLike[str], step: int) -> Path:
     """Where a run traces step ``step``: each rank writes ``trace_path(<this>, rank)``."""
     return Path(run_dir).resolve() / f"{TRACE_PREFIX}{step}"
@@ -174,7 +254,8 @@ def ops_files(directory: str | os.PathLike[str]) -> list[Path]:
 
 def _is_record_file(name: str) -> bool:
     fixed = (COMMAND_FILE, SETTINGS_FILE, ENV_FILE, VERDICT_FILE, STDOUT_FILE, STDERR_FILE)
-    return name in fixed or bool(_EVENTS_RE.match(name) or _TRACE_RE.match(name))
+    patterns = (_EVENTS_RE, _TRACE_RE, _WORLD_RE, _UNCOVERED_RE)
+    return name in fixed or any(p.match(name) for p in patterns)
 
 
 @contextlib.contextmanager

@@ -71,7 +71,7 @@ def test_human_report_and_concurrent_checks_do_not_collide(tmp_path: Path) -> No
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
-        assert out.startswith("reproducible: 2 runs identical over 2 optimizer steps")
+        assert out.startswith("reproducible: 2 runs identical over 2 training steps")
         assert "steps run 1:" in err  # progress goes to stderr
     checks = list((tmp_path / ".torchrepro" / "checks").iterdir())
     assert len(checks) == 2

@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from clirun import torchrepro
 
 from torchrepro.launch import python_hash_seed
 from torchrepro.runrecord import read_events
 from torchrepro.seeding import derive_seed
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def torchrepro(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    return subprocess.run(
-        [sys.executable, "-m", "torchrepro", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 def info(out: str) -> dict[str, Any]:
@@ -67,6 +54,7 @@ def test_run_gives_main_semantics_settings_and_a_complete_record(tmp_path: Path)
         ("compute", "optimizer0"): 4,
         ("data", "loader1"): 4,  # the validation loader is keyed apart
         ("record", "val"): 4,
+        ("compute", "final"): 1,  # the state at exit of the module the script's globals hold
     }
     assert [e["step"] for e in events if e["key"] == "loader0"] == [0, 1, 2, 3]
     assert [e["step"] for e in events if e["kind"] == "record"] == [2, 2, 4, 4]

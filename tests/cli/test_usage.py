@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from clirun import torchrepro
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,18 +171,6 @@ def test_a_record_directory_in_use_is_refused(
 
 
 # --- real children ----------------------------------------------------------------------------------
-
-
-def torchrepro(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    return subprocess.run(
-        [sys.executable, "-m", "torchrepro", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def test_dash_m_behaves_like_python(tmp_path: Path) -> None:

@@ -11,28 +11,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from checkrun import check
 
 SCRIPTS = Path(__file__).parent / "scripts"
-
-
-def check(tmp_path: Path, *args: str, timeout: float = 240) -> tuple[int, dict[str, Any], str]:
-    """Run ``torchrepro check --json`` in ``tmp_path``; return (exit code, verdict, stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    env.pop("PYTHONHASHSEED", None)  # --no-seed must see what plain python sees
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrepro", "check", "--json", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 1, f"stdout must be exactly one JSON object:\n{proc.stdout}\n{proc.stderr}"
-    return proc.returncode, json.loads(lines[0]), proc.stderr
 
 
 def script(name: str) -> str:
@@ -49,8 +32,8 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
         "first_divergence": None,
         "inconclusive": False,
         "coverage": {
-            "per_kind": {"compute": 4, "data": 4, "init": 1},
-            "per_rank": {"0": {"compute": 4, "data": 4, "init": 1}},
+            "per_kind": {"compute": 4, "data": 4, "final": 1, "init": 1},
+            "per_rank": {"0": {"compute": 4, "data": 4, "final": 1, "init": 1}},
             "uncovered_ranks": [],
         },
         "notes": [],
@@ -65,6 +48,10 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
         "op": None,
         "module": None,
         "location": None,
+        "key": "optimizer0",
+        "name": "param:0.weight",  # the first layer of the script's nn.Sequential
+        "shape": [16, 8],
+        "dtype": "float32",
     }
 
 
@@ -165,16 +152,125 @@ def test_steps_stops_every_run_after_n_optimizer_steps_also_serially(tmp_path: P
 
 
 def test_nothing_compared_is_inconclusive_never_reproducible(tmp_path: Path) -> None:
-    """A hand-written update loop records no step: exit 3 and the coverage, not "reproducible"."""
-    code, verdict, err = check(tmp_path, script("manual_sgd.py"))
+    """A script that trains nothing (no step, no backward, no batch): exit 3 and the coverage."""
+    code, verdict, err = check(tmp_path, script("zero_steps.py"))
     assert code == 3, err
     assert verdict["reproducible"] is None and verdict["inconclusive"] is True
     assert verdict["steps_compared"] == 0 and verdict["coverage"]["uncovered_ranks"] == [0]
+    assert verdict["coverage"]["per_kind"] == {"final": 1}  # the state at exit alone is not a pass
     assert any(note.startswith("inconclusive:") for note in verdict["notes"])
-    # the weights really differ between runs that draw different seeds: a pass would be false
+    # control: the state at exit is compared, and differs when the runs are not seeded
+    code, verdict, err = check(tmp_path, "--no-seed", script("zero_steps.py"))
+    assert code == 1 and verdict["first_divergence"]["name"] == "final:model.0.weight", err
+
+
+def test_a_hand_written_update_loop_is_compared_step_by_step(tmp_path: Path) -> None:
+    """No torch.optim: a step per backward(); gradients and the hand-updated weights compared."""
+    code, verdict, err = check(tmp_path, script("manual_sgd.py"))
+    assert (code, verdict["reproducible"], verdict["inconclusive"]) == (0, True, False), err
+    assert verdict["steps_compared"] == 5
+    # per step: the gradients after backward(), and the weights after the hand-written update
+    assert verdict["coverage"]["per_kind"] == {"compute": 10, "final": 1, "init": 1}
+    # the weights really differ between runs that draw different seeds: caught at init
     code, verdict, err = check(tmp_path, script("manual_sgd.py"), "--unseeded")
-    assert code == 3 and verdict["reproducible"] is None, err
-    # control: the same loop through torch.optim is compared step by step and passes
+    assert code == 1, err
+    assert verdict["first_divergence"]["kind"] == "init"
+    assert verdict["first_divergence"]["name"] == "param:weight"
+    # the same loop through torch.optim is compared as optimizer steps
     code, verdict, err = check(tmp_path, script("manual_sgd.py"), "--optim")
     assert (code, verdict["reproducible"], verdict["inconclusive"]) == (0, True, False), err
-    assert verdict["coverage"]["per_kind"] == {"compute": 5, "init": 1}
+    assert verdict["coverage"]["per_kind"] == {"compute": 5, "final": 1, "init": 1}
+
+
+@pytest.mark.parametrize("update", ["data", "no_grad", "custom"])
+def test_every_hand_written_update_shape_is_seen_and_stopped_by_steps(tmp_path: Path, update: str) -> None:
+    """``p.data.add_``, an update under no_grad, a custom optimizer class: each recorded and stopped."""
+    args = (script("manual_update.py"), "--update", update, "--steps", "50")
+    code, verdict, err = check(tmp_path, "--steps", "3", *args)
+    assert (code, verdict["reproducible"]) == (0, True), err
+    assert verdict["steps_compared"] == 3
+    assert verdict["coverage"]["per_kind"] == {"compute": 6, "init": 1}
+    code, verdict, err = check(tmp_path, "--steps", "3", "--no-seed", *args)  # unseeded runs part
+    assert code == 1 and verdict["first_divergence"]["kind"] == "init", err
+    assert verdict["first_divergence"]["name"] == "param:encoder.weight"
+
+
+def test_two_seeds_of_a_hand_written_update_loop_are_not_identical(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    target = (script("manual_update.py"), "--steps", "2")
+    for seed in ("1", "2"):
+        run = [sys.executable, "-m", "torchrepro", "run", "--seed", seed, "--record", f"s{seed}", *target]
+        subprocess.run(run, cwd=tmp_path, env=env, check=True, capture_output=True)
+    compare = [sys.executable, "-m", "torchrepro", "compare", "--json", "s1", "s2"]
+    proc = subprocess.run(compare, cwd=tmp_path, env=env, capture_output=True, text=True)
+    result = json.loads(proc.stdout)
+    assert proc.returncode == 1 and result["reproducible"] is False, proc.stderr
+    assert result["first_divergence"]["kind"] == "init"
+    assert result["notes"][0] == "started with different seed: 1 vs 2"
+    assert result["tensor"]["name"] == "param:encoder.weight"
+
+
+@pytest.mark.parametrize("optim", ["sgd0", "adam"])
+def test_a_gradient_only_difference_is_found_at_step_0(tmp_path: Path, optim: str) -> None:
+    """Gradients (and Adam's state) differ at step 0 while the parameters do not: step 0, not later."""
+    code, verdict, err = check(tmp_path, "--no-locate", script("grad_only.py"), "--optim", optim)
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["step"], d["key"], d["name"]) == ("compute", 0, "optimizer0", "grad:0.weight")
+    assert (d["shape"], d["dtype"]) == ([8, 6], "float32")
+    # the parameters themselves are equal at that step: a parameter-only fingerprint would pass it
+    run_dirs = sorted(Path(tmp_path).glob(".torchrepro/checks/*/run*"))
+    events = [
+        [json.loads(line) for line in (r / "events.rank0.jsonl").read_text().splitlines()] for r in run_dirs
+    ]
+    step0 = [next(e for e in ev if e["kind"] == "compute") for ev in events]
+    pairs = zip(step0[0]["t"], step0[1]["t"], strict=True)
+    differs = {la["n"].split(":")[0] for la, lb in pairs if la["fp"] != lb["fp"]}
+    assert differs == ({"grad", "state"} if optim == "adam" else {"grad"})
+    # control: the same script with an equal factor in both runs is reproducible
+    code, verdict, err = check(tmp_path, script("grad_only.py"), "--optim", optim, "--same")
+    assert (code, verdict["reproducible"]) == (0, True), err
+
+
+def test_an_init_divergence_names_the_parameter_by_its_module_path(tmp_path: Path) -> None:
+    code, verdict, err = check(tmp_path, script("named_init.py"))
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["name"]) == ("init", "param:encoder.layer.1.attn.k.weight")
+
+
+def test_a_data_divergence_names_the_loader_line_and_the_batch_field(tmp_path: Path) -> None:
+    code, verdict, err = check(tmp_path, script("named_batch_field.py"))
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    line = next(
+        i
+        for i, text in enumerate((SCRIPTS / "named_batch_field.py").read_text().splitlines(), 1)
+        if text.startswith("loader = DataLoader(")
+    )
+    assert (d["kind"], d["step"], d["key"]) == ("data", 0, "loader0")
+    assert d["location"] == f"{script('named_batch_field.py')}:{line}"
+    assert (d["name"], d["shape"], d["dtype"]) == ('["labels"]', [4, 5], "int64")
+
+
+def test_a_divergence_in_a_hand_written_update_loop_is_located(tmp_path: Path) -> None:
+    """Steps counted by backward() are traced and located like optimizer steps."""
+    code, verdict, err = check(tmp_path, script("manual_dropout.py"))
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["step"], d["key"]) == ("compute", 2, "backward")
+    assert d["op"].startswith("aten.bernoulli") and d["module"] == "1"
+    assert d["location"] == f"{script('manual_dropout.py')}:13"
+
+
+def test_vary_threads_names_the_op_whose_result_depends_on_the_thread_count(tmp_path: Path) -> None:
+    code, verdict, err = check(tmp_path, script("threads_layernorm.py"))
+    assert (code, verdict["reproducible"]) == (0, True), err  # the control: same thread count
+    code, verdict, err = check(tmp_path, "--vary", "threads", script("threads_layernorm.py"))
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["step"], d["name"]) == ("compute", 0, "grad:1.weight")
+    assert d["op"] == "aten.native_layer_norm_backward.default"
+    note = next(n for n in verdict["notes"] if "source op" in n)
+    assert "between 1 thread (first run) and 2 threads (other run)" in note
+    assert "depends on that setting" in note and "random" not in note.split("not on")[0]

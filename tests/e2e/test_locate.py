@@ -5,21 +5,31 @@ in real subprocesses (torchrun with gloo for the 2-rank case). Each case is its 
 control: the divergence is real (check exits 1), and the test asserts that the op, module and line
 the tool names are those of the one line that makes the runs differ, not a victim downstream.
 The four checks run concurrently to keep the wall time down.
+
+Scripts that load through a DataLoader with worker processes, in a plain loop and under Lightning,
+are checked 5 times each: every check must name the same op, module and line (the main process
+rebuilds a varying number of worker batches between model ops; those ops must not be aligned).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.multiprocessing  # registers how tensors are pickled between processes
+import torch.utils.data
 
 SCRIPTS = Path(__file__).parent / "locate_scripts"
+SRC = Path(__file__).resolve().parents[2] / "src"
 CASES: dict[str, tuple[str, ...]] = {
     "dropout_urandom": (),
     "pid_factor": (),
@@ -35,12 +45,16 @@ def _line(script: Path, marker: str) -> int:
     raise AssertionError(f"{script.name} has no line marked {marker!r}")
 
 
-def _start_check(directory: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+def _start_check(
+    directory: Path, name: str, *extra: str, script_args: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(SCRIPTS / f"{name}.py", directory / f"{name}.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    # The check runs from another directory: a relative PYTHONPATH (src) would load another copy.
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return subprocess.Popen(
-        [sys.executable, "-m", "torchrepro", "check", "--json", *extra, f"{name}.py"],
+        [sys.executable, "-m", "torchrepro", "check", "--json", *extra, f"{name}.py", *script_args],
         cwd=directory,
         env=env,
         stdout=subprocess.PIPE,
@@ -122,5 +136,113 @@ def test_two_rank_run_where_only_rank_1_diverges_names_rank_1(
         "op": "aten.mul.Tensor",
         "module": "1",  # DDP's "module." prefix is dropped: Sequential(Linear, Wobble, Linear)[1]
         "location": f"ddp_rank1.py:{_line(script, 'rank 1 mul')}",
+        # the all-reduced gradient differs first; its name drops DDP's "module." prefix too
+        "key": "optimizer0",
+        "name": "grad:0.weight",
+        "shape": [6, 4],
+        "dtype": "float32",
     }
     assert first == expected, err[-3000:]
+
+
+# --------------------------------------------------------------------------------------------
+# Locating with DataLoader workers, in a plain loop and under Lightning: stable over repeats
+
+HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
+REPEATS = 5
+# (script, num_workers) -> how many times it is checked. Only with workers: without them no
+# worker timing is involved (the cases above locate without workers; budget: < 60 s on 2 cores).
+LOADER_CASES: dict[tuple[str, int], int] = {
+    ("loader_workers", 2): REPEATS,
+    **({("loader_lightning", 2): REPEATS} if HAS_LIGHTNING else {}),
+}
+CONCURRENT_CHECKS = 4
+Verdict = tuple[int, dict[str, Any], str]
+
+
+@pytest.fixture(scope="module")
+def loader_verdicts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, int], list[Verdict]]:
+    root = tmp_path_factory.mktemp("locate_loader")
+    jobs = [(case, i) for case, n in LOADER_CASES.items() for i in range(n)]
+    results: dict[tuple[str, int], list[Verdict]] = {case: [] for case in LOADER_CASES}
+    running: list[tuple[tuple[str, int], subprocess.Popen[str]]] = []
+    for (name, workers), i in jobs:
+        if len(running) == CONCURRENT_CHECKS:
+            case, proc = running.pop(0)
+            results[case].append(_finish(proc))
+        proc = _start_check(root / f"{name}-w{workers}-{i}", name, script_args=("--workers", str(workers)))
+        running.append(((name, workers), proc))
+    for case, proc in running:
+        results[case].append(_finish(proc))
+    return results
+
+
+def _loader_case(name: str, workers: int) -> Any:
+    marks = []
+    if name == "loader_lightning":
+        marks.append(pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning: pip install -e '.[dev]'"))
+    return pytest.param(name, workers, id=f"{name}-workers{workers}", marks=marks)
+
+
+@pytest.mark.parametrize(
+    ("name", "workers"),
+    [_loader_case(name, 2) for name in ("loader_workers", "loader_lightning")],
+)
+def test_locate_with_dataloader_workers_names_the_same_op_every_time(
+    loader_verdicts: dict[tuple[str, int], list[Verdict]], name: str, workers: int
+) -> None:
+    runs = loader_verdicts[(name, workers)]
+    assert len(runs) == LOADER_CASES[(name, workers)]
+    expected = ("drop", f"{name}.py:{_line(SCRIPTS / f'{name}.py', 'dropout')}")
+    named = []
+    for code, verdict, err in runs:
+        assert (code, verdict["reproducible"]) == (1, False), err[-3000:]
+        first = verdict["first_divergence"]
+        assert (first["step"], first["kind"]) == (1, "compute"), verdict
+        assert "bernoulli" in first["op"] or "dropout" in first["op"], verdict
+        assert not any("Control flow parted" in note for note in verdict["notes"]), verdict["notes"]
+        named.append((first["op"], first["module"], first["location"]))
+    assert {(module, location) for _, module, location in named} == {expected}, named
+    assert len(set(named)) == 1, named
+
+
+def test_ops_of_torch_data_loading_are_left_out_of_the_aligned_op_stream(tmp_path: Path) -> None:
+    """Tensors rebuilt from another process and batches collated by torch, on the main thread or
+    another one, a varying number of times: the traces still align; the same ops issued by the
+    script itself are traced (the negative control)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from torchrepro.tracing import Tracer, compare_traces
+    from torchrepro.tracing.compare import _load_trace
+
+    samples = [torch.ones(2), torch.zeros(2)]
+    x = torch.ones(3)
+
+    def traced(n: int, path: Path, *, by_script: bool = False) -> Path:
+        payloads = [ForkingPickler.dumps(torch.arange(6.0)) for _ in range(n)]  # shared memory
+        with Tracer(path):
+            for payload in payloads:
+                ForkingPickler.loads(payload)  # rebuilt as a DataLoader rebuilds worker batches
+                torch.utils.data.default_collate(samples)
+                if by_script:
+                    torch.stack(samples)
+            thread = threading.Thread(
+                target=lambda: [torch.utils.data.default_collate(samples) for _ in range(n)]
+            )
+            thread.start()
+            thread.join()
+            _ = x * 2
+        return path
+
+    one, three = traced(1, tmp_path / "one"), traced(3, tmp_path / "three")
+    assert [r.op for r in _load_trace(one).records] == ["aten.mul.Tensor"]
+    assert compare_traces(one, three) is None
+    control_one, control_three = (
+        traced(1, tmp_path / "c1", by_script=True),
+        traced(3, tmp_path / "c3", by_script=True),
+    )
+    assert [r.op for r in _load_trace(control_one).records] == ["aten.stack.default", "aten.mul.Tensor"]
+    divergence = compare_traces(control_one, control_three)
+    assert divergence is not None and divergence.structural

@@ -358,3 +358,24 @@ def test_missing_lightning_names_the_extra(blocked: tuple[str, ...]) -> None:
     assert proc.stdout.startswith("ModuleNotFoundError lightning |"), proc.stdout
     assert "`pip install torchrepro[lightning]`" in proc.stdout
     assert ("pytorch_lightning is installed" in proc.stdout) == ("pytorch_lightning" not in blocked)
+
+
+def test_check_names_the_scripts_loader_line_and_the_parameter_paths_under_lightning(tmp_path: Path) -> None:
+    """Lightning rebuilds the script's loaders: a data divergence still names the script's line.
+
+    ``--vary workers`` gives the validation loader (the first one iterated: the sanity check)
+    2 workers instead of 0, so its noise draws change; the parameters are named by their path in
+    the LightningModule (``configure_optimizers`` hands them over)."""
+    cmd = [sys.executable, "-m", "torchrepro", "check", "--json", "--vary", "workers"]
+    cmd += [str(TRAIN), str(tmp_path / "out"), "--variant", "stock", "--epochs", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    verdict = json.loads(proc.stdout)
+    assert proc.returncode == 1, proc.stderr
+    d = verdict["first_divergence"]
+    line = next(
+        i for i, t in enumerate(TRAIN.read_text().splitlines(), 1) if "DataLoader(NoisyPoints(8)" in t
+    )
+    assert (d["kind"], d["key"], d["name"], d["location"]) == ("data", "loader0", "[0]", f"{TRAIN}:{line}")
+    events = (tmp_path / ".torchrepro" / "checks").glob("*/run0/events.rank0.jsonl")
+    init = json.loads(next(events).read_text().splitlines()[0])
+    assert [t["n"] for t in init["t"]] == [f"param:net.{i}.{p}" for i in (0, 3) for p in ("weight", "bias")]

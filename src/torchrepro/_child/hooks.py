@@ -8,11 +8,23 @@ Invariants:
   ``--vary workers`` changes the ``num_workers`` a DataLoader is created with, and the audit's
   probe applies ``use_deterministic_algorithms`` with ``warn_only=True`` (it records the request).
 - Recording hooks: ``torch.optim.Optimizer.__init__`` (an ``init`` event), the global optimizer
-  step post-hook (a ``compute`` event), ``DataLoader.__iter__`` and ``_BaseDataLoaderIter.__next__``
-  (a ``data`` event per batch, fetched with any op tracer paused).
+  step post-hook (a ``compute`` event: gradients, optimizer state, parameters, each named),
+  ``torch.autograd.backward`` (steps of training no optimizer sees: ``_child.training``),
+  ``DataLoader.__init__`` (where the script created it), ``DataLoader.__iter__`` and
+  ``_BaseDataLoaderIter.__next__`` (a ``data`` event per batch, fetched with any op tracer paused).
+- ``install_world_hook``: ``init_process_group`` reports (rank, world size) after it returns.
 - The audit's settings probe (``SettingsProbe``) wraps ``DataLoader.__init__``, ``torch.compile``,
-  ``torch.use_deterministic_algorithms``, ``torch.set_num_threads`` and the few functions whose
-  arguments decide an op-table condition.
+  ``torch.use_deterministic_algorithms``, ``torch.set_num_threads``, the few functions whose
+  arguments decide an op-table condition, the global seeding functions (``random.seed``,
+  ``np.random.seed``, ``torch.manual_seed``, ``torch.seed``) and the unseeded sources a seed may
+  be drawn from (``random.randint``/``randrange``/``getrandbits``, ``np.random.randint``,
+  ``secrets.randbits``/``randbelow``, ``os.urandom``): they only note values.
+- At each DataLoader's creation the probe loads index 0 of its dataset a few times (at most
+  ``_PROBE_BUDGET_S``, once per dataset object) under global RNG states of its own, then restores
+  every global RNG state (Python, NumPy, torch CPU) with op tracing paused: the script's draws
+  are unchanged. Side effects of ``__getitem__`` itself (a cache, a counter) cannot be undone.
+- User locations skip torch, torchrepro, the standard library and the frameworks' packages
+  (Lightning, transformers, accelerate): the line shown is the user's.
 """
 
 from __future__ import annotations
@@ -24,17 +36,26 @@ import inspect
 import os
 import re
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from torchrepro import recorder as _recorder
+from torchrepro._child.training import BackwardSteps, ParamNames, optimizer_items
 from torchrepro._io import atomic_write_json
 from torchrepro.flags import DeterminismFlags
 from torchrepro.recorder import Recorder
 
-__all__ = ["InitCallback", "SettingsProbe", "StepCallback", "install_hooks", "worker_mapping"]
+__all__ = [
+    "BackwardCallback",
+    "InitCallback",
+    "SettingsProbe",
+    "StepCallback",
+    "install_hooks",
+    "worker_mapping",
+]
 
 
 def worker_mapping(spec: str | None) -> Callable[[int], int] | None:
@@ -53,9 +74,29 @@ StepCallback = Callable[[torch.optim.Optimizer, int, int], None]
 InitCallback = Callable[[torch.optim.Optimizer, int], None]
 """Called after an optimizer is created with (optimizer, optimizer index)."""
 
+BackwardCallback = Callable[[int, bool], None]
+"""Called around every ``backward()`` step (training no optimizer sees) with (step index, ended):
+before the step runs (``ended`` False: steps 0..k-1 are complete) and after its backward."""
+
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in opt.param_groups for p in group["params"]]
+
+
+class _Owned:
+    """The parameters some optimizer holds, by identity (tensors compare elementwise, not by id)."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def add(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            with contextlib.suppress(TypeError):
+                self._refs[id(p)] = weakref.ref(p)
+
+    def __call__(self, p: torch.Tensor) -> bool:
+        ref = self._refs.get(id(p))
+        return ref is not None and ref() is p
 
 
 def install_hooks(
@@ -65,16 +106,20 @@ def install_hooks(
     on_vary: Callable[[int, int], None] | None = None,
     on_init: InitCallback | None = None,
     on_step: StepCallback | None = None,
-) -> None:
+    on_backward: BackwardCallback | None = None,
+) -> BackwardSteps:
     """Install the process-global recording hooks (the bootstrap calls this once per process).
 
     ``recorder`` receives the events (None: only the callbacks run). ``num_workers`` maps the
     ``num_workers`` every DataLoader is created with to the value actually used (``--vary
     workers``), and ``on_vary(original, used)`` hears of each DataLoader it changed (a loader
-    rebuilt from one it changed is not counted again). ``on_init``/``on_step`` run after the
-    recorder's own event is written.
+    rebuilt from one it changed is not counted again). ``on_init``/``on_step``/``on_backward``
+    run after the recorder's own event is written. Returns the ``backward()`` step watcher (its
+    ``flush()`` writes the last hand-written update at exit).
     """
     _recorder.activate(recorder)
+    names = ParamNames()
+    owned = _Owned()
     optim_cls = torch.optim.Optimizer
     original_init = optim_cls.__init__
 
@@ -87,8 +132,11 @@ def install_hooks(
             recorder.n_optimizers += 1
             recorder.optimizer_steps[index] = 0
         self._torchrepro_index = index  # type: ignore[attr-defined]
+        params = _params(self)
+        owned.add(params)
         if recorder is not None:
-            recorder.write("init", f"optimizer{index}", 0, _params(self))
+            named = optimizer_items(self, names.names(params, sys._getframe(1)), with_state=False)
+            recorder.write("init", f"optimizer{index}", 0, named, named=True)
         if on_init is not None:
             on_init(self, index)
 
@@ -99,7 +147,10 @@ def install_hooks(
         if recorder is not None:
             step = recorder.optimizer_steps.get(index, 0)
             recorder.optimizer_steps[index] = step + 1
-            recorder.write("compute", f"optimizer{index}", step, _params(opt))
+            params = _params(opt)
+            owned.add(params)  # a param group added since
+            items = optimizer_items(opt, names.names(params, sys._getframe(1)))
+            recorder.write("compute", f"optimizer{index}", step, items, named=True)
         else:
             step = _counter(f"step{index}")
         if on_step is not None:
@@ -109,11 +160,26 @@ def install_hooks(
 
     register_optimizer_step_post_hook(step_hook)
 
+    def backward_started(k: int) -> None:
+        if on_backward is not None:
+            on_backward(k, False)
+
+    def backward_ended(k: int) -> None:
+        if recorder is not None:
+            recorder.backward_steps = k + 1
+        if on_backward is not None:
+            on_backward(k, True)
+
+    steps = BackwardSteps(recorder, names, owned, on_step=backward_started, on_step_end=backward_ended)
+    if recorder is not None or on_backward is not None:
+        steps.install()
+
     from torch.utils.data import dataloader as dl
 
     if num_workers is not None:
         _patch_num_workers(dl.DataLoader, num_workers, on_vary)
     _patch_loader_iteration(dl, recorder)
+    return steps
 
 
 _counters: dict[str, int] = {}
@@ -164,8 +230,29 @@ def _patch_num_workers(
 def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
     loader_cls = dl.DataLoader
     iter_cls = dl._BaseDataLoaderIter
+    original_init = loader_cls.__init__
     original_iter = loader_cls.__iter__
     original_next = iter_cls.__next__
+
+    created: dict[int, tuple[object, str | None]] = {}  # id(dataset) -> (dataset, first loader's line)
+
+    @functools.wraps(original_init)
+    def init_wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if recorder is None or "_torchrepro_src" in self.__dict__:
+            return
+        source, framework = _user_site(outer=False)
+        # a SeededLoader's dataset is a view: the user's dataset identifies the loader
+        dataset = getattr(self, "source_dataset", None)
+        if dataset is None:
+            dataset = self.__dict__.get("dataset")
+        earlier = created.get(id(dataset))
+        if earlier is not None and earlier[0] is dataset:
+            if framework is not None or source is None:
+                source = earlier[1]  # a framework rebuilding the script's loader: the script's line
+        elif dataset is not None:
+            created[id(dataset)] = (dataset, source)
+        object.__setattr__(self, "_torchrepro_src", source)
 
     def iter_wrapper(self: Any) -> Any:
         with _recorder.paused():
@@ -177,6 +264,7 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
             recorder.loader_batches[key] = 0
             object.__setattr__(self, "_torchrepro_loader", key)
         it._torchrepro_loader = key
+        it._torchrepro_src = self.__dict__.get("_torchrepro_src")
         return it
 
     def next_wrapper(self: Any) -> Any:
@@ -186,9 +274,11 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
         if key is not None and recorder is not None:
             index = recorder.loader_batches.get(key, 0)
             recorder.loader_batches[key] = index + 1
-            recorder.write("data", f"loader{key}", index, batch)
+            source = self.__dict__.get("_torchrepro_src")
+            recorder.write("data", f"loader{key}", index, batch, source=source)
         return batch
 
+    loader_cls.__init__ = init_wrapper
     loader_cls.__iter__ = iter_wrapper
     iter_cls.__next__ = next_wrapper
 
@@ -197,24 +287,216 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
 # The audit's settings probe
 
 
-def _user_location() -> str | None:
-    """``file:line`` of the innermost caller outside torch, torchrepro and the standard library."""
+_FRAMEWORKS = {
+    "lightning": "lightning",
+    "lightning_fabric": "lightning",
+    "lightning_utilities": "lightning",
+    "pytorch_lightning": "pytorch_lightning",
+    "transformers": "transformers",
+    "accelerate": "accelerate",
+}
+"""Packages whose frames the audit skips to name the user's line -> the framework whose settings
+the findings name."""
+
+
+def _package_dirs(names: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(directory + separator, framework) of each loaded package among ``names``."""
+    out = []
+    for name, framework in names.items():
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            out.append((os.path.normcase(os.path.dirname(os.path.abspath(path))) + os.sep, framework))
+    return out
+
+
+def _user_site(*, outer: bool = True) -> tuple[str | None, str | None]:
+    """``file:line`` of the innermost caller outside torch, torchrepro, the standard library and the
+    frameworks (Lightning, transformers, accelerate), and the framework involved, if any.
+
+    The framework is the one nearest the user's line: the framework frames between it and the
+    call (a loader Lightning or the HF Trainer builds), else the first one further out (a loader
+    the user's ``train_dataloader`` builds while ``trainer.fit`` runs; ``outer=False``: not looked
+    for).
+    """
     skip = tuple(
         os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
         for f in (torch.__file__, os.path.dirname(__file__), os.__file__)
     )
-    frame = sys._getframe(1)
+    frameworks = _package_dirs(_FRAMEWORKS)
+    location: str | None = None
+    inner: str | None = None
+    frame: Any = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not os.path.normcase(filename).startswith(skip) and not frame.f_code.co_filename.startswith("<"):
+        filename = os.path.normcase(os.path.abspath(frame.f_code.co_filename))
+        framework = next((name for d, name in frameworks if filename.startswith(d)), None)
+        if framework is not None:
+            if location is not None:
+                return location, framework
+            inner = framework
+        elif (
+            location is None
+            and not filename.startswith(skip)
+            and not frame.f_code.co_filename.startswith("<")
+        ):
+            absolute = os.path.abspath(frame.f_code.co_filename)
             try:
-                rel = os.path.relpath(filename)
+                rel = os.path.relpath(absolute)
             except ValueError:
-                rel = filename
-            shown = filename if rel.startswith("..") else rel
-            return f"{shown}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+                rel = absolute
+            location = f"{absolute if rel.startswith('..') else rel}:{frame.f_lineno}"
+            if inner is not None or not frameworks or not outer:
+                return location, inner
+        frame = frame.f_back
+    return location, inner
+
+
+def _user_location() -> str | None:
+    """``file:line`` of the user's line (see ``_user_site``)."""
+    return _user_site(outer=False)[0]
+
+
+def _in_loader_fetch() -> bool:
+    """Whether a DataLoader (or the probe) is loading samples up the stack: a dataset seeding
+    itself per index is not the script seeding."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _probe_dataset.__code__ or frame.f_code.co_filename.endswith(
+            os.path.join("_utils", "fetch.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# The global RNGs the probe varies, by the name findings use.
+_GLOBAL_RNGS = ("random", "numpy", "torch")
+_PROBE_SLOW_S = 0.5  # one load slower than this: no further loads (the heuristic decides)
+_PROBE_BUDGET_S = 2.0  # all the probe's loads of one dataset
+_PROBE_STATES = 8  # other global RNG states tried before deciding a sample does not depend on them
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _sample_key(obj: Any, depth: int = 0) -> Any:
+    """A hashable, comparable summary of a loaded sample (tensors, arrays, images, containers)."""
+    if depth > 20:
+        return "..."
+    if obj is None or isinstance(obj, (bool, int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        return repr(obj)  # NaN equals itself
+    if isinstance(obj, torch.Tensor):
+        import hashlib
+
+        t = obj.detach().cpu()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat.to(torch.uint8)
+        return ("tensor", str(t.dtype), tuple(t.shape), hashlib.sha1(data.numpy().tobytes()).hexdigest())
+    if isinstance(obj, Mapping):
+        return ("map", tuple(sorted((repr(k), _sample_key(v, depth + 1)) for k, v in obj.items())))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_sample_key(v, depth + 1) for v in obj))
+    tobytes = getattr(obj, "tobytes", None)  # NumPy arrays and scalars, PIL images
+    if callable(tobytes):
+        return (type(obj).__name__, str(getattr(obj, "shape", getattr(obj, "size", ""))), tobytes())
+    fields = getattr(obj, "__dict__", None)
+    if isinstance(fields, dict):
+        return (type(obj).__name__, _sample_key(fields, depth + 1))
+    return (type(obj).__name__, repr(obj))
+
+
+def _rng_states(numpy: Any) -> dict[str, Any]:
+    import random
+
+    return {
+        "random": random.getstate(),
+        "numpy": numpy.random.get_state() if numpy is not None else None,
+        "torch": torch.get_rng_state(),
+    }
+
+
+def _set_rng_states(states: Mapping[str, Any], numpy: Any) -> None:
+    import random
+
+    random.setstate(states["random"])
+    if numpy is not None and states["numpy"] is not None:
+        numpy.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def _probe_dataset(dataset: Any) -> dict[str, Any]:
+    """Decide empirically which global RNGs ``dataset[0]`` draws from.
+
+    Loads index 0 under fixed global RNG states, again under the same states (a sample that
+    differs then draws from something no global seed reaches: ``unstable``), then with every
+    global RNG set to other states, and if that differs, with each changed alone. A draw may not
+    show in one change (a coin flip lands the same way half the time), so each comparison tries
+    up to ``_PROBE_STATES`` other states and stops at the first difference. Every global RNG
+    state is restored afterwards and op tracing is paused, so the script computes what it would
+    have. A dataset that seeds itself per index (torchvision's ``FakeData``) draws nothing.
+    Returns ``{"ran": False, "reason": ...}`` when it cannot tell (no ``__len__``, an
+    ``IterableDataset``, a load that raises, one slow load or ``_PROBE_BUDGET_S`` in all).
+    """
+    import random
+    import time
+
+    import torch.utils.data as data_mod
+
+    if isinstance(dataset, data_mod.IterableDataset):
+        return {"ran": False, "reason": "an IterableDataset has no index to load twice"}
+    try:
+        size = len(dataset)
+    except Exception:
+        return {"ran": False, "reason": "the dataset has no len()"}
+    if size < 1:
+        return {"ran": False, "reason": "the dataset is empty"}
+    numpy = _numpy()
+    names = [n for n in _GLOBAL_RNGS if n != "numpy" or numpy is not None]
+    fixed = {
+        seed: {
+            "random": random.Random(seed).getstate(),
+            "numpy": numpy.random.RandomState(seed).get_state() if numpy is not None else None,
+            "torch": torch.Generator().manual_seed(seed).get_state(),
+        }
+        for seed in range(1, _PROBE_STATES + 2)
+    }
+    start = time.perf_counter()
+
+    def load(changed: Sequence[str] = (), seed: int = 1) -> Any:
+        if time.perf_counter() - start > _PROBE_BUDGET_S:
+            raise TimeoutError
+        _set_rng_states({n: fixed[seed if n in changed else 1][n] for n in _GLOBAL_RNGS}, numpy)
+        return _sample_key(dataset[0])
+
+    def differs(changed: Sequence[str], base: Any) -> bool:
+        return any(load(changed, seed) != base for seed in range(2, _PROBE_STATES + 2))
+
+    saved = _rng_states(numpy)
+    try:
+        with _recorder.paused():
+            base = load()
+            if time.perf_counter() - start > _PROBE_SLOW_S:
+                return {"ran": False, "reason": f"loading one sample takes over {_PROBE_SLOW_S} s"}
+            unstable = load() != base
+            draws = []
+            if not unstable and differs(names, base):
+                draws = [n for n in names if differs((n,), base)] or names  # only together: all
+    except TimeoutError:
+        return {"ran": False, "reason": f"loading index 0 again and again took over {_PROBE_BUDGET_S} s"}
+    except Exception as exc:
+        return {"ran": False, "reason": f"loading index 0 raised {type(exc).__name__}"}
+    finally:
+        _set_rng_states(saved, numpy)
+    return {"ran": True, "draws": draws, "unstable": unstable}
 
 
 _RANDOM_SOURCE = re.compile(
@@ -268,6 +550,25 @@ def _random_hint(dataset: Any) -> str | None:
     return None
 
 
+def _sampler_facts(loader: Any, given: str | None) -> dict[str, Any]:
+    """The sampler that draws the order (the one given, alone or inside a batch sampler, or the
+    one DataLoader made from ``shuffle=``, which takes the loader's generator) and whether it is
+    seeded: it holds a generator, or it is accelerate's ``SeedableRandomSampler`` (it seeds itself
+    each pass from ``data_seed`` or torch's initial seed)."""
+    import torch.utils.data as data_mod
+
+    sampler = loader.sampler
+    if given == "batch_sampler" or not isinstance(sampler, data_mod.RandomSampler):
+        inner = getattr(loader.batch_sampler, "sampler", None)
+        sampler = inner if inner is not None else sampler
+    return {
+        "shuffle": isinstance(sampler, data_mod.RandomSampler),
+        "sampler": type(sampler).__name__,
+        "sampler_generator": getattr(sampler, "generator", None) is not None
+        or type(sampler).__name__ == "SeedableRandomSampler",
+    }
+
+
 class SettingsProbe:
     """Watches what the audited script sets; writes it as JSON after each optimizer step and at exit."""
 
@@ -279,11 +580,17 @@ class SettingsProbe:
         }
         self.hash_randomization = bool(sys.flags.hash_randomization)
         self.set_num_threads_called = False
-        self.dataloaders: list[dict[str, Any]] = []
+        self._loaders: list[tuple[Any, dict[str, Any]]] = []  # (weakref to the loader, its record)
         self.compile_calls: list[dict[str, Any]] = []
         self.optimizer_steps = 0
         self.calls: dict[tuple[Any, ...], dict[str, Any]] = {}
         self.requested_deterministic: tuple[bool, bool] | None = None
+        # the script's seeding: per global RNG, whether its last seeding used a value no other
+        # unseeded source produced; and each seeding call whose value came from one
+        self.seeded: dict[str, bool] = {}
+        self.tainted_seeds: list[dict[str, Any]] = []
+        self._drawn: dict[int, str] = {}  # values unseeded sources returned -> the source
+        self._probed: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(dataset) -> (dataset, probe)
 
     def install(self) -> None:
         import torch.optim.optimizer as optim_mod
@@ -291,12 +598,13 @@ class SettingsProbe:
 
         probe = self
         original_init = data_mod.DataLoader.__init__
+        signature = inspect.signature(original_init)
 
         @functools.wraps(original_init)
         def init(loader: Any, *a: Any, **kw: Any) -> None:
             original_init(loader, *a, **kw)
             with contextlib.suppress(Exception):
-                probe._record_loader(loader)
+                probe._record_loader(loader, signature.bind(loader, *a, **kw).arguments)
 
         data_mod.DataLoader.__init__ = init  # type: ignore[method-assign,assignment]
 
@@ -343,6 +651,7 @@ class SettingsProbe:
             probe.write()
 
         self._watch_calls()
+        self._watch_seeding()
         optim_mod.register_optimizer_step_post_hook(after_step)
         atexit.register(self.write)
 
@@ -396,25 +705,158 @@ class SettingsProbe:
         wrap(fn, "cross_entropy", loss)
         wrap(fn, "embedding_bag", embedding_bag)
 
-    def _record_loader(self, loader: Any) -> None:
-        import torch.utils.data as data_mod
+    def _watch_seeding(self) -> None:
+        """Wrap the global seeding functions, and the unseeded sources a seed may be drawn from.
+
+        A seeding call counts for its RNG when its value is not one an unseeded source returned
+        (``random.randint`` before any ``random.seed``, ``np.random.randint`` likewise,
+        ``secrets``, ``os.urandom``, ``torch.seed()``; values of 2**16 and up, so a small constant
+        is never mistaken for one), not the clock (within an hour of now, in s, ms, us or ns), and
+        not ``seed()`` from OS entropy.
+        Calls made while a DataLoader fetches (a dataset seeding itself per index) do not count.
+        """
+        import random
+        import secrets
+
+        probe = self
+        numpy = _numpy()
+
+        def unseeded_source(owner: Any, name: str, source: str, rng: str | None, to_int: Any = int) -> None:
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                value = original(*a, **kw)
+                if (rng is None or not probe.seeded.get(rng)) and len(probe._drawn) < 10_000:
+                    with contextlib.suppress(Exception):
+                        for v in to_int(value):
+                            if abs(v) >= 2**16:  # a small constant seed (0, 42) is never taken for one
+                                probe._drawn.setdefault(v, source)
+                return value
+
+            setattr(owner, name, wrapper)
+
+        def ints(value: Any) -> list[int]:
+            return [int(value)]
+
+        def from_bytes(value: Any) -> list[int]:
+            return [int.from_bytes(value, "big"), int.from_bytes(value, "little")] if len(value) <= 8 else []
+
+        def seeding(owner: Any, name: str, rng: str, what: str) -> None:
+            original = getattr(owner, name)
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                value = a[0] if a else next(iter(kw.values()), None)
+                with contextlib.suppress(Exception):
+                    if not _in_loader_fetch():
+                        probe._on_seed(rng, what, value)
+                return original(*a, **kw)
+
+            setattr(owner, name, wrapper)
+
+        for name in ("randint", "randrange", "getrandbits"):
+            unseeded_source(random, name, f"random.{name}", "random", ints)
+        for name in ("randbits", "randbelow"):
+            unseeded_source(secrets, name, f"secrets.{name}", None, ints)
+        unseeded_source(os, "urandom", "os.urandom", None, from_bytes)
+        unseeded_source(torch, "seed", "torch.seed()", None, ints)
+        entropy_seed = torch.seed
+
+        @functools.wraps(entropy_seed)
+        def torch_seed() -> int:
+            probe.seeded["torch"] = False  # torch.seed() seeds from OS entropy
+            return entropy_seed()
+
+        torch.seed = torch_seed
+        seeding(random, "seed", "random", "random.seed")
+        seeding(torch, "manual_seed", "torch", "torch.manual_seed")
+        if numpy is not None:
+            unseeded_source(
+                numpy.random, "randint", "np.random.randint", "numpy", lambda v: numpy.ravel(v)[:1]
+            )
+            seeding(numpy.random, "seed", "numpy", "np.random.seed")
+
+    def _on_seed(self, rng: str, what: str, value: Any) -> None:
+        import operator
+        import time
+
+        if value is None:
+            source: str | None = "OS entropy (called without a seed)"
+        else:
+            try:
+                number = operator.index(value)
+            except TypeError:
+                number = None
+            source = None if number is None else self._drawn.get(number)
+            if number is not None and source is None and number > 10**9:
+                # the clock in seconds, milliseconds or nanoseconds, within an hour of now
+                now = time.time()
+                if any(abs(number / scale - now) < 3600 for scale in (1, 10**3, 10**6, 10**9)):
+                    source = "the current time"
+        self.seeded[rng] = source is None
+        if source is not None and len(self.tainted_seeds) < 100:
+            location, framework = _user_site()
+            self.tainted_seeds.append(
+                {"call": what, "rng": rng, "location": location, "source": source, "framework": framework}
+            )
+
+    def _record_loader(self, loader: Any, arguments: Mapping[str, Any]) -> None:
+        import weakref
 
         seeded = any(
             c.__name__ == "SeededLoader" and c.__module__.startswith("torchrepro")
             for c in type(loader).__mro__
         )
-        self.dataloaders.append(
-            {
-                "location": _user_location(),
-                "class": type(loader).__name__,
-                "seeded_loader": seeded,
-                "num_workers": int(loader.num_workers),
-                "worker_init_fn": loader.worker_init_fn is not None,
-                "generator": loader.generator is not None,
-                "shuffle": isinstance(getattr(loader, "sampler", None), data_mod.RandomSampler),
-                "random_hint": _random_hint(loader.dataset),
-            }
-        )
+        given = "batch_sampler" if arguments.get("batch_sampler") is not None else None
+        given = "sampler" if arguments.get("sampler") is not None else given
+        location, framework = _user_site()
+        dataset = loader.dataset
+        probe: dict[str, Any] = {"ran": False, "reason": "a SeededLoader seeds every sample"}
+        earlier = self._probed.get(id(dataset))
+        if seeded:
+            pass
+        elif earlier is not None and earlier[0] is dataset:
+            probe = earlier[1]
+        else:
+            probe = _probe_dataset(dataset)
+            self._probed[id(dataset)] = (dataset, probe)
+        record = {
+            "location": location,
+            "framework": framework,
+            "class": type(loader).__name__,
+            "dataset": type(dataset).__name__,
+            "seeded_loader": seeded,
+            "num_workers": int(loader.num_workers),
+            "worker_init_fn": loader.worker_init_fn is not None,
+            "generator": loader.generator is not None,
+            "sampler_given": given,
+            **_sampler_facts(loader, given),
+            "probe": probe,
+            "random_hint": _random_hint(dataset),
+        }
+        # a framework rebuilding a loader over the same dataset from the same user line (the HF
+        # Trainer, then accelerate's prepare) replaces the earlier record: one loader, one finding
+        for i, (_, old) in enumerate(self._loaders):
+            if old["location"] == location and old.get("_dataset") == id(dataset) and not seeded:
+                del self._loaders[i]
+                break
+        record["_dataset"] = id(dataset)
+        self._loaders.append((weakref.ref(loader), record))
+
+    def _loader_records(self) -> list[dict[str, Any]]:
+        """The loaders' records, their sampler facts read now: a framework may swap the sampler
+        after creating the loader (accelerate's ``set_sampler``)."""
+        out = []
+        for ref, record in self._loaders:
+            loader = ref()
+            if loader is not None:
+                with contextlib.suppress(Exception):
+                    record.update(_sampler_facts(loader, record["sampler_given"]))
+            out.append({k: v for k, v in record.items() if not k.startswith("_")})
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         inductor = sys.modules.get("torch._inductor.config")
@@ -437,9 +879,15 @@ class SettingsProbe:
             "set_num_threads_called": self.set_num_threads_called,
             "thread_env": {k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
             "torch_seeded": torch.initial_seed() != self.start_seed,
+            "seeded": {
+                "random": self.seeded.get("random", False),
+                "numpy": self.seeded.get("numpy", False),
+                "torch": torch.initial_seed() != self.start_seed and self.seeded.get("torch", True),
+            },
+            "tainted_seeds": self.tainted_seeds,
             "inductor_deterministic": getattr(inductor, "deterministic", None) if inductor else None,
             "compile_calls": self.compile_calls,
-            "dataloaders": self.dataloaders,
+            "dataloaders": self._loader_records(),
             "optimizer_steps": self.optimizer_steps,
             "calls": list(self.calls.values()),
             "cuda_initialized": torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
@@ -448,3 +896,27 @@ class SettingsProbe:
     def write(self) -> None:
         with contextlib.suppress(Exception):
             atomic_write_json(self.path, self.snapshot())
+
+
+def install_world_hook(on_join: Callable[[int, int], None]) -> None:
+    """Call ``on_join(rank, world_size)`` after every ``torch.distributed.init_process_group``
+    (so the ranks a script starts itself are known, recorded or not)."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+
+    original = distributed_c10d.init_process_group
+    if getattr(original, "_torchrepro_world_hook", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        on_join(dist.get_rank(), dist.get_world_size())
+        return result
+
+    init_process_group._torchrepro_world_hook = True  # type: ignore[attr-defined]
+    distributed_c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group

@@ -8,6 +8,9 @@ Invariants:
 - ``to_env`` also sets the process-start variables only a launcher can set (``PYTHONHASHSEED``,
   ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``) and drops every
   ``TORCHREPRO_*`` variable of the base environment, so the caller's own settings never leak in.
+- A recorded spec puts ``SITE_DIR`` first on the child's ``PYTHONPATH``: every python the script
+  starts itself is configured by ``_child.children`` (a ``PARENT_RANK_VAR`` mark tells a child
+  whether its ``RANK`` is its own or inherited).
 - ``seed=None`` is a plain python run: nothing seeded and no pinned hash seed; switches only
   when a ``mode`` is given (a seeded spec defaults to ``strict``).
 """
@@ -21,24 +24,40 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchrepro.errors import SettingsError
-from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
-from torchrepro.seeding import derive_seed, validate_seed
 
 __all__ = [
+    "BACKWARD_STEPS",
     "CPU_CAPABILITIES",
     "CPU_CAPABILITY_VAR",
     "ENV_PREFIX",
     "LOCATION_VARIABLES",
+    "PARENT_RANK_VAR",
     "RELAUNCHED_VAR",
+    "SITE_DIR",
     "ChildSpec",
+    "in_run",
+    "mark_rank",
+    "parent_rank",
     "python_hash_seed",
 ]
 
 ENV_PREFIX = "TORCHREPRO_"
 """Every variable of the protocol starts with this prefix."""
 
+BACKWARD_STEPS = -1
+"""``trace_optimizer`` of steps counted by ``backward()`` (training no optimizer sees)."""
+
 RELAUNCHED_VAR = ENV_PREFIX + "RELAUNCHED"
 """Set by ``relaunch`` in the process it re-executes, so it re-executes at most once."""
+
+PARENT_RANK_VAR = ENV_PREFIX + "PARENT_RANK"
+"""Set by every process torchrepro configured (the bootstrap and the children it adopts) to the
+rank it records as, or to the rank variable it started with while that is unresolved: a child
+whose ``RANK`` (or ``LOCAL_RANK``) equals it inherited it, and is not that rank."""
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+"""Holds the ``sitecustomize`` a recorded run's children find first on ``PYTHONPATH``: every
+python the script starts itself (ranks, ``subprocess`` of ``sys.executable``) is configured too."""
 
 CPU_CAPABILITY_VAR = "ATEN_CPU_CAPABILITY"
 CPU_CAPABILITIES = ("default", "avx2", "avx512", "sve256", "zvector")
@@ -76,6 +95,8 @@ def python_hash_seed(seed: int, *keys: int | str) -> int:
     >>> 0 <= python_hash_seed(2**64 - 1) < 2**32
     True
     """
+    from torchrepro.seeding import derive_seed
+
     return derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32
 
 
@@ -115,6 +136,9 @@ class ChildSpec:
     hash_seed: int | None = None
 
     def __post_init__(self) -> None:
+        from torchrepro.flags import MODES
+        from torchrepro.seeding import validate_seed
+
         if self.seed is not None:
             try:
                 validate_seed(self.seed)
@@ -128,7 +152,9 @@ class ChildSpec:
         _count("record_values", self.record_values, 0, "a number of values")
         _count("max_steps", self.max_steps, 1, "a number of optimizer steps")
         _count("trace_step", self.trace_step, 0, "an optimizer step index (0 is the first step)")
-        _count("trace_optimizer", self.trace_optimizer, 0, "an optimizer index")
+        _count(
+            "trace_optimizer", self.trace_optimizer, BACKWARD_STEPS, "an optimizer index (-1: backward steps)"
+        )
         if self.hash_seed is not None and not (
             isinstance(self.hash_seed, int)
             and not isinstance(self.hash_seed, bool)
@@ -161,7 +187,12 @@ class ChildSpec:
         ('3', 'strict', '2')
         >>> ChildSpec().to_env({"PATH": "/bin"})
         {'PATH': '/bin'}
+
+        A recorded spec (``record_dir``) also puts ``SITE_DIR`` first on ``PYTHONPATH`` (the
+        base's entries kept after it), so the python processes the script starts are recorded.
         """
+        from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR
+
         env = {
             k: v for k, v in (os.environ if base is None else base).items() if not k.startswith(ENV_PREFIX)
         }
@@ -180,6 +211,9 @@ class ChildSpec:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         if self.cpu_capability is not None:
             env[CPU_CAPABILITY_VAR] = self.cpu_capability
+        if self.record_dir is not None:
+            entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
+            env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *entries])
         return env
 
     @classmethod
@@ -208,3 +242,20 @@ class ChildSpec:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
         return ChildSpec(**values)
+
+
+def in_run(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``environ`` (default ``os.environ``) carries a recorded run's protocol (a process
+    started by torchrepro, or by a script torchrepro runs). Imports nothing."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(ENV_PREFIX + "RECORD_DIR"))
+
+
+def parent_rank(environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``PARENT_RANK_VAR`` mark the process that started this one left (None: none)."""
+    return (os.environ if environ is None else environ).get(PARENT_RANK_VAR)
+
+
+def mark_rank(rank: str) -> None:
+    """Leave the mark of this process's rank (``""``: none) for the processes it starts."""
+    os.environ[PARENT_RANK_VAR] = rank

@@ -6,6 +6,10 @@ Invariants:
   seen through.
 - A location is the first frame outside torch, torchrepro and the standard library, relative to the
   current directory when below it.
+- An op issued by torch's data loading code (``torch/utils/data/``: iterators, collation, the
+  pin-memory thread; ``torch/multiprocessing/``: tensors rebuilt from another process) before any
+  user frame is reached belongs to data loading, on any thread: ``attribute(..., skip_loading=True)``
+  says so (None) instead of naming a site, so a tracer can leave it out of the op stream it aligns.
 - A backward op of a built-in function gets the module and line of the forward op that created its
   autograd node (kept in the node's ``metadata``); a backward op issued by user code that runs
   inside backward gets that user line.
@@ -20,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from types import CodeType, FrameType
-from typing import Any, Final
+from typing import Any, Final, Literal, overload
 
 import torch
 
@@ -35,10 +39,18 @@ _MAX_PENDING_ATTEMPTS: Final = 8
 # Attribution: module stack, source lines, autograd node -> forward site
 # --------------------------------------------------------------------------------------------
 
-_USER, _LIBRARY, _ENGINE = 0, 1, 2
+_USER, _LIBRARY, _ENGINE, _LOADING = 0, 1, 2, 3
 _LIBRARY_DIRS: tuple[str, ...] = tuple(
     os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
     for f in (torch.__file__, os.path.dirname(__file__), os.__file__)  # torch, torchrepro, the stdlib
+)
+_TORCH_DIR: Final = os.path.dirname(os.path.abspath(torch.__file__))
+_LOADING_DIRS: Final = tuple(
+    os.path.normcase(os.path.join(_TORCH_DIR, *parts)) + os.sep
+    for parts in (
+        ("utils", "data"),
+        ("multiprocessing",),
+    )  # DataLoader machinery; tensors from other processes
 )
 _ENGINE_CODES: frozenset[CodeType] = frozenset(
     fn.__code__
@@ -142,7 +154,10 @@ class _Sites:
                     kind = _LIBRARY
                 else:
                     path = os.path.normcase(os.path.abspath(filename))
-                    kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _USER
+                    if path.startswith(_LOADING_DIRS):
+                        kind = _LOADING
+                    else:
+                        kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _USER
             self._code_kind[code] = kind
         return kind
 
@@ -158,18 +173,26 @@ class _Sites:
     def user_location(self, frame: FrameType | None) -> tuple[str | None, bool]:
         """``(file:line, False)`` of the innermost user frame, or ``(None, True)`` when the walk
         reaches autograd's engine entry first (the op runs inside backward on behalf of torch)."""
+        location, in_engine, _ = self._walk(frame)
+        return location, in_engine
+
+    def _walk(self, frame: FrameType | None) -> tuple[str | None, bool, bool]:
+        """``user_location`` and whether torch's data loading code was passed on the way."""
         kinds = self._code_kind
+        loading = False
         while frame is not None:
             code = frame.f_code
             kind = kinds.get(code)
             if kind is None:
                 kind = self._kind(code)
             if kind == _USER:
-                return f"{self._show(code.co_filename)}:{frame.f_lineno}", False
+                return f"{self._show(code.co_filename)}:{frame.f_lineno}", False, loading
             if kind == _ENGINE:
-                return None, True
+                return None, True, loading
+            if kind == _LOADING:
+                loading = True
             frame = frame.f_back
-        return None, False
+        return None, False, loading
 
     # -- autograd nodes -------------------------------------------------------------------------
     def remember(self, output: Any, site: tuple[str | None, str | None]) -> None:
@@ -201,14 +224,29 @@ class _Sites:
                 keep.append(entry)
         self._pending = keep
 
-    def attribute(self, frame: FrameType | None) -> tuple[str | None, str | None, bool]:
-        """``(module, location, backward)`` of the op being dispatched now."""
+    @overload
+    def attribute(
+        self, frame: FrameType | None, *, skip_loading: Literal[False] = False
+    ) -> tuple[str | None, str | None, bool]: ...
+
+    @overload
+    def attribute(
+        self, frame: FrameType | None, *, skip_loading: bool
+    ) -> tuple[str | None, str | None, bool] | None: ...
+
+    def attribute(
+        self, frame: FrameType | None, *, skip_loading: bool = False
+    ) -> tuple[str | None, str | None, bool] | None:
+        """``(module, location, backward)`` of the op being dispatched now; with ``skip_loading``,
+        None for an op that torch's data loading code issued (see the module's invariants)."""
         self.resolve()
+        location, in_engine, loading = self._walk(frame)
+        if loading and skip_loading:
+            return None
         node = _current_autograd_node()
         if node is None:
-            return self.module_path(), self.user_location(frame)[0], False
+            return self.module_path(), location, False
         site = node.metadata.get(_META_KEY)
-        location, in_engine = self.user_location(frame)
         module = self.module_path()  # non-empty only when a forward reruns inside backward
         if site is not None:
             if module is None:

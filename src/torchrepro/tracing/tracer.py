@@ -9,6 +9,11 @@ Invariants:
 - Trace files are JSON (format and version from ``events``, the digest algorithm from
   ``hashing.EXACT_DIGEST``), written atomically; tracing changes no numerics and no RNG state; ops
   inside ``paused()`` are not traced.
+- Data loading is never part of the op stream two traces align: ops of DataLoader fetches (the
+  bootstrap pauses ``__next__``) and every op torch's data loading code issues on any thread (tensors
+  rebuilt from worker processes, collation, the pin-memory thread; ``sites``) run untraced, since
+  how many run between two model ops depends on when worker batches arrive. Their writes still
+  invalidate the digests of the storages they wrote.
 - Per op, the Python work is one lookup of what the trace knows of the op, the attribution, and a
   digest lookup per tensor (a cache keyed by tensor, version, storage and write epoch); bytes are
   hashed once per tensor version.
@@ -337,8 +342,12 @@ class Tracer(_Observer):
             return func(*args, **kwargs)
         info = op.info
         with self._lock:
-            module, location, backward = self._sites.attribute(sys._getframe(1))
-            inputs, reads_uninit = self._inputs(info, args, kwargs)
+            site = self._sites.attribute(sys._getframe(1), skip_loading=True)
+            if site is not None:
+                inputs, reads_uninit = self._inputs(info, args, kwargs)
+        if site is None:
+            return self._loading_op(func, info, args, kwargs)
+        module, location, backward = site
         out = func(*args, **kwargs)
         if op.collective:
             _wait(out)  # an async collective's outputs hold their result only once it completes
@@ -353,12 +362,12 @@ class Tracer(_Observer):
                         epochs[ptr] = epochs.get(ptr, 0) + 1
             derived = f"{op.name}|{'|'.join(inputs)}" if info.view else None
             outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
-            site = (module, location)
+            where = (module, location)
             values = self._value_index
             self._records.append(
                 [
                     op.index,
-                    _intern(self._site_index, site),
+                    _intern(self._site_index, where),
                     1 if backward else 0,
                     _intern_all(values, inputs),
                     _intern_all(values, outputs),
@@ -366,7 +375,22 @@ class Tracer(_Observer):
                 ]
             )
             if not backward or torch.is_grad_enabled():
-                self._sites.remember(out, site)
+                self._sites.remember(out, where)
+        return out
+
+    def _loading_op(self, func: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run an op of torch's data loading untraced: how many of these run, and when, depends on
+        when worker batches arrive. Its writes still invalidate digests of the storages it wrote."""
+        out = func(*args, **kwargs)
+        if info.written:
+            with self._lock:
+                epochs = self._epochs
+                for key in info.written:
+                    if _has(args, kwargs, key):
+                        for t in _leaves(_arg(args, kwargs, key)):
+                            if isinstance(t, torch.Tensor):
+                                ptr = _storage_ptr(t)
+                                epochs[ptr] = epochs.get(ptr, 0) + 1
         return out
 
     def _inputs(self, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[str], bool]:
