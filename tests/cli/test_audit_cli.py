@@ -104,7 +104,10 @@ def test_settings_the_script_itself_sets(
     assert (found["TR111"]["severity"], found["TR111"]["location"]) == ("error", _line(script, "hits.put_("))
     loader_line = _line(script, "loader = DataLoader(")
     assert found["TR301"]["location"] == loader_line
-    assert "random.random" in found["TR301"]["message"] and "SeededLoader" in found["TR301"]["fix"]
+    assert "Noisy.__getitem__ draws from Python's global random" in found["TR301"]["message"]
+    assert "SeededLoader" in found["TR301"]["fix"]
+    # two workers reseed random from a base seed drawn from the unseeded torch RNG
+    assert found["TR304"]["location"] == loader_line and "2 DataLoader workers" in found["TR304"]["message"]
     settings = report["settings"]
     assert settings["optimizer_steps"] == 2
     assert (
@@ -114,6 +117,51 @@ def test_settings_the_script_itself_sets(
     assert settings["compile_calls"] == [{"location": compile_line, "backend": "inductor", "mode": None}]
     # deterministic algorithms turn Inductor's deterministic mode on too: no TR401 for this call
     assert "TR401" not in found
+
+
+def test_datasets_drawing_from_unseeded_global_rngs(
+    capsys: pytest.CaptureFixture[str], plain_shell: None
+) -> None:
+    script = SCRIPTS / "global_rngs.py"
+    code, report = _audit_json(capsys, _rel(script))
+    assert code == 0  # warnings only
+    found = {(f["code"], f["location"]): f for f in report["findings"] if f["location"]}
+    flips = found.pop(("TR304", _line(script, "flips = DataLoader(")))
+    assert "Flip.__getitem__" in flips["message"] and "Python's global random" in flips["message"]
+    assert "random.seed(0)" in flips["fix"] and "sample_rng()" in flips["fix"]
+    jitters = found.pop(("TR304", _line(script, "jitters = DataLoader(")))
+    assert "Jitter.__getitem__" in jitters["message"] and "NumPy's global RNG" in jitters["message"]
+    # the seed comes from random.randint, which nothing seeded: reported where it seeds
+    seed = found.pop(("TR305", _line(script, "    torch.manual_seed(seed)")))
+    assert "random.randint" in seed["message"] and "torch.manual_seed" in seed["message"]
+    # a RandomSampler without a generator: the fix gives it one, not the DataLoader
+    sampler = found.pop(("TR303", _line(script, "sampled = DataLoader(")))
+    assert sampler["fix"].startswith("Give the generator to the sampler: RandomSampler(dataset, generator=")
+    # the FakeData-like loader seeds per index: nothing else is reported
+    assert found == {}
+
+
+def test_seeded_script_has_no_global_rng_finding(
+    capsys: pytest.CaptureFixture[str], plain_shell: None
+) -> None:
+    # negative control for the test above: the same datasets, every global RNG seeded with a constant
+    code, report = _audit_json(capsys, _rel(SCRIPTS / "global_rngs.py"), "seeded")
+    assert code == 0
+    assert {f["code"] for f in report["findings"]} == {"TR201", "TR202", "TR303"}
+    probes = [loader["probe"]["draws"] for loader in report["settings"]["dataloaders"]]
+    assert probes == [["random"], ["numpy"], [], []]  # the draws are still seen; they are seeded
+
+
+def test_loader_built_by_lightning_points_at_the_users_line(
+    capsys: pytest.CaptureFixture[str], plain_shell: None
+) -> None:
+    script = SCRIPTS / "lightning_datamodule.py"
+    code, report = _audit_json(capsys, _rel(script))
+    assert code == 0
+    (finding,) = [f for f in report["findings"] if f["code"] == "TR304"]
+    assert finding["location"] == _line(script, "trainer.fit(")
+    assert "Flip.__getitem__" in finding["message"] and "Python's global random" in finding["message"]
+    assert "lightning.seed_everything(0, workers=True)" in finding["fix"]
 
 
 def test_failing_script_exits_2_with_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,6 +14,11 @@ Invariants:
   it cannot decide never yields an error: the finding is a warning that says what is unknown.
 - Findings for a backward op carry the module and source line of the forward call that created
   it (the recorder's location), never ``loss.backward()``.
+- Data findings trust the probe's measurement (which global RNGs a dataset draws from) over the
+  source heuristic, which decides only when the probe could not run. A dataset drawing from a
+  global RNG is a finding only when that draw is unseeded where it runs: in the main process,
+  the script's own seeding of that RNG; in workers (torch reseeds random, NumPy and torch from
+  the base seed), the loader's ``generator=`` or the script's torch seed.
 - The library never prints.
 """
 
@@ -661,8 +666,13 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "or run it with torchrepro run --seed N.",
             )
         )
+    seeded = settings.get("seeded")
+    if not isinstance(seeded, Mapping):  # an older probe: only torch is known
+        seeded = {"torch": settings.get("torch_seeded", True)}
     for loader in settings.get("dataloaders") or ():
-        out.extend(_loader_findings(loader))
+        out.extend(_loader_findings(loader, seeded))
+    for call in settings.get("tainted_seeds") or ():
+        out.append(_tainted_seed_finding(call))
     for call in settings.get("compile_calls") or ():
         backend = call.get("backend") or "inductor"
         inductor_det = settings.get("inductor_deterministic")
@@ -697,13 +707,104 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
     return sorted(out, key=_sort_key)
 
 
-def _loader_findings(loader: Mapping[str, Any]) -> list[Finding]:
+_RNG_NAMES = {
+    "random": "Python's global random",
+    "numpy": "NumPy's global RNG",
+    "torch": "torch's global RNG",
+}
+_RNG_SEEDS = {"random": "random.seed(0)", "numpy": "np.random.seed(0)", "torch": "torch.manual_seed(0)"}
+_FRAMEWORK_FIX = {
+    "lightning": "With Lightning: call lightning.seed_everything(0, workers=True) before trainer.fit "
+    "(it seeds random, NumPy and torch, and gives the DataLoader workers a worker_init_fn); a DataModule's "
+    "DataLoader takes generator=torch.Generator().manual_seed(0).",
+    "pytorch_lightning": "With Lightning: call pytorch_lightning.seed_everything(0, workers=True) before "
+    "trainer.fit; a DataModule's DataLoader takes generator=torch.Generator().manual_seed(0).",
+    "transformers": "With the HF Trainer: TrainingArguments(seed=0) seeds random, NumPy and torch when the "
+    "Trainer is created, and data_seed= seeds its sampler; seed nothing randomly after that.",
+    "accelerate": "With accelerate: call accelerate.utils.set_seed(0) before accelerator.prepare(...); "
+    "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True)) seeds the order.",
+}
+
+
+def _names(rngs: Sequence[str]) -> str:
+    return " and ".join(_RNG_NAMES.get(r, r) for r in rngs)
+
+
+def _with_framework(fix: str, loader: Mapping[str, Any]) -> str:
+    extra = _FRAMEWORK_FIX.get(str(loader.get("framework")))
+    return f"{fix} {extra}" if extra else fix
+
+
+def _loader_findings(loader: Mapping[str, Any], seeded: Mapping[str, Any] | None = None) -> list[Finding]:
+    """Findings for one DataLoader the probe saw (``seeded``: which global RNGs the script seeded)."""
     if loader.get("seeded_loader"):
         return []
+    seeded = seeded or {}
     out = []
     location = loader.get("location")
     workers = int(loader.get("num_workers") or 0)
-    hint = loader.get("random_hint")
+    dataset = loader.get("dataset") or "the dataset"
+    probe = loader.get("probe") if isinstance(loader.get("probe"), Mapping) else None
+    measured = probe is not None and probe.get("ran") is True
+    draws: list[str] = list(probe.get("draws") or ()) if measured and probe else []
+    unstable = bool(measured and probe and probe.get("unstable"))
+    hint = f"{dataset}.__getitem__ draws from {_names(draws)}" if draws else None
+    if not measured:
+        hint = loader.get("random_hint")
+    fix_seed = (
+        "or better, draw the randomness from torchrepro.sample_rng() inside __getitem__ and load with "
+        "torchrepro.SeededLoader (the same samples for any num_workers)."
+    )
+    if draws:
+        if workers == 0:
+            unseeded = [r for r in draws if not seeded.get(r, True)]
+            if unseeded:
+                out.append(
+                    _settings_finding(
+                        "TR304",
+                        "warning",
+                        f"{dataset}.__getitem__ (loaded in the main process, num_workers=0) draws from "
+                        f"{_names(unseeded)}, which the script never seeds: its samples differ every run "
+                        "(found by loading one sample twice under different global RNG states).",
+                        _with_framework(
+                            f"Seed it before loading ({', '.join(_RNG_SEEDS[r] for r in unseeded)}, or "
+                            f"torchrepro.seed_everything(0)), {fix_seed}",
+                            loader,
+                        ),
+                        location,
+                    )
+                )
+        elif not loader.get("generator") and not seeded.get("torch", True):
+            out.append(
+                _settings_finding(
+                    "TR304",
+                    "warning",
+                    f"{dataset}.__getitem__ draws from {_names(draws)} in {workers} DataLoader workers. "
+                    "torch reseeds random, NumPy and torch in each worker from the loader's base seed, but "
+                    "that base seed is drawn from torch's global RNG, which the script never seeds, and the "
+                    "loader has no generator=: its samples differ every run (found by loading one sample "
+                    "twice under different global RNG states).",
+                    _with_framework(
+                        "Seed torch before iterating (torch.manual_seed(0) or torchrepro.seed_everything(0)) "
+                        f"or pass DataLoader(generator=torch.Generator().manual_seed(0)), {fix_seed}",
+                        loader,
+                    ),
+                    location,
+                )
+            )
+    if unstable:
+        out.append(
+            _settings_finding(
+                "TR306",
+                "warning",
+                f"{dataset}[0] differs between two loads under the same global RNG states: __getitem__ "
+                "draws from something no global seed reaches (an unseeded np.random.default_rng() or "
+                "torch.Generator, random.Random(), time, os.urandom), or it changes state as it loads.",
+                "Draw per-sample randomness from torchrepro.sample_rng() inside __getitem__ (keyed by seed, "
+                "epoch and index), or seed the generator the dataset holds.",
+                location,
+            )
+        )
     if workers > 0 and hint:
         out.append(
             _settings_finding(
@@ -713,12 +814,15 @@ def _loader_findings(loader: Mapping[str, Any]) -> list[Finding]:
                 "worker seeds itself with base_seed + worker_id, so which worker handles a sample, and so "
                 "its augmentation, changes with num_workers (and with the base seed drawn from the global "
                 "torch RNG).",
-                "Use torchrepro.SeededLoader (same batches for any num_workers) and draw augmentation "
-                "randomness from torchrepro.sample_rng() inside __getitem__.",
+                _with_framework(
+                    "Use torchrepro.SeededLoader (same batches for any num_workers) and draw augmentation "
+                    "randomness from torchrepro.sample_rng() inside __getitem__.",
+                    loader,
+                ),
                 location,
             )
         )
-    elif workers > 0:
+    elif workers > 0 and not measured:
         out.append(
             _settings_finding(
                 "TR302",
@@ -729,18 +833,58 @@ def _loader_findings(loader: Mapping[str, Any]) -> list[Finding]:
                 location,
             )
         )
-    if loader.get("shuffle") and not loader.get("generator"):
-        out.append(
-            _settings_finding(
-                "TR303",
-                "info",
-                "A shuffling DataLoader without generator= draws its order from the global torch RNG: any "
-                "extra draw before it (a new layer, a validation pass) changes the training batches.",
-                "Pass generator=torch.Generator().manual_seed(seed), or use torchrepro.SeededLoader.",
-                location,
+    sampler_generator = loader.get("sampler_generator", loader.get("generator"))
+    if loader.get("shuffle") and not sampler_generator:
+        given = loader.get("sampler_given")
+        sampler = loader.get("sampler") or "RandomSampler"
+        if given:
+            ignored = (
+                " The DataLoader's generator= does not reach it (it seeds only the workers' base seed)."
+                if loader.get("generator")
+                else ""
             )
-        )
+            message = (
+                f"The {sampler} given as {given}= has no generator: it draws the order from the global "
+                "torch RNG, so any extra draw before it (a new layer, a validation pass) changes the "
+                f"training batches.{ignored}"
+            )
+            fix = (
+                f"Give the generator to the sampler: {sampler}(dataset, generator=torch.Generator()"
+                ".manual_seed(seed)); DataLoader(generator=...) is not used by a sampler you pass."
+            )
+        else:
+            message = (
+                "A shuffling DataLoader without generator= draws its order from the global torch RNG: any "
+                "extra draw before it (a new layer, a validation pass) changes the training batches."
+            )
+            fix = "Pass generator=torch.Generator().manual_seed(seed), or use torchrepro.SeededLoader."
+        out.append(_settings_finding("TR303", "info", message, _with_framework(fix, loader), location))
     return out
+
+
+def _tainted_seed_finding(call: Mapping[str, Any]) -> Finding:
+    what = call.get("call") or "a seeding call"
+    source = call.get("source") or "an unseeded source"
+    if source.startswith("OS entropy"):
+        origin = "OS entropy (no seed given)"
+    elif source == "the current time":
+        origin = "the current time"
+    elif source.startswith(("random.", "np.random.")):
+        origin = f"a value drawn from {source} before anything seeded that RNG"
+    else:
+        origin = f"a value from {source}, which no seed reaches"
+    message = (
+        f"{what} seeds {_RNG_NAMES.get(str(call.get('rng')), 'an RNG')} from {origin}: the seed, and "
+        "everything it seeds, changes every run."
+    )
+    fix = (
+        "Seed with a fixed value (e.g. 0), or take it from the command line or config and log it; "
+        "torchrepro run --seed N seeds everything."
+    )
+    extra = _FRAMEWORK_FIX.get(str(call.get("framework")))
+    return _settings_finding(
+        "TR305", "warning", message, f"{fix} {extra}" if extra else fix, call.get("location")
+    )
 
 
 def report(*, script: str, steps: int, events: Sequence[Any], settings: Mapping[str, Any]) -> AuditReport:

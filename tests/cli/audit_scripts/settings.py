@@ -14,7 +14,7 @@ class Noisy(Dataset):
         return 8
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        x = torch.full((4,), float(i))
+        x = torch.arange(4.0) + i
         if random.random() < 0.5:  # a random flip, drawn in whichever worker loads the sample
             x = x.flip(0)
         return x, i % 2
