@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import OrderedDict, namedtuple
 from typing import Any
 from unittest import mock
@@ -143,22 +144,30 @@ def test_chunk_size_and_threads_do_not_change_the_digest() -> None:
                 assert fingerprint(small) == digest, chunk
 
 
-def test_word_ranges_mixed_on_several_threads_give_the_sequential_digest() -> None:
-    t = random_tensor((40_000 * 8 + 5,), torch.uint8, seed=5)  # odd tail
+def test_intra_op_threads_chunks_and_kept_buffers_do_not_change_the_digest() -> None:
+    """Large CPU chunks run on torch's intra-op threads; the scratch buffers are kept per thread."""
+    t = random_tensor((300_000 * 8 + 5,), torch.uint8, seed=5)  # ops above the parallel grain
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)
-        for view in (t, t[3:], t[8:]):  # misaligned starts are copied a piece at a time
-            with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", 1 << 40):
-                sequential = fingerprint(view)
-            for min_words in (1000, 7, 1):
-                with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", min_words):
-                    assert fingerprint(view) == sequential, min_words
-        flipped = flip_bit(t, 20_000 * 64 + 3)  # in the second range
-        with mock.patch.object(fp_mod, "_PARALLEL_MIN_WORDS", 1000):
-            assert fingerprint(flipped) != fingerprint(t)
+        torch.set_num_threads(1)
+        sequential = [fingerprint(v) for v in (t, t[3:], t[8:])]  # misaligned starts are copied
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert [fingerprint(v) for v in (t, t[3:], t[8:])] == sequential, n
     finally:
         torch.set_num_threads(threads)
+    for chunk in (1000, 7, 1 << 20):  # buffers kept from a larger chunk are sliced, not rebuilt
+        with mock.patch.object(fp_mod, "_CPU_CHUNK_WORDS", chunk):
+            assert fingerprint(t) == sequential[0], chunk
+    small = random_tensor((9000 * 8,), torch.uint8, seed=6)
+    digest = fingerprint(small)  # a smaller tensor after a larger one, and on a fresh thread
+    assert fingerprint(t) == sequential[0] and fingerprint(small) == digest
+    found: list[str] = []
+    worker = threading.Thread(target=lambda: found.extend([fingerprint(small), fingerprint(t)]))
+    worker.start()
+    worker.join()
+    assert found == [digest, sequential[0]]
+    assert fingerprint(flip_bit(t, 200_000 * 64 + 3)) != sequential[0]
 
 
 def test_non_contiguous_views_hash_like_their_contiguous_copies(path: str) -> None:

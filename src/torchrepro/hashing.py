@@ -13,9 +13,10 @@ Invariants:
   are read as 64-bit words, each word is mixed with its position (multiply-xorshift, wrapping
   int64 arithmetic) and the mixed words are summed exactly. Integer sums do not depend on order,
   so the digest is the same on every device and for every chunking; only a few reduced numbers
-  leave the device. Large CPU tensors are split into word ranges mixed on the hashing threads
-  (at most ``torch.get_num_threads()``), whose lanes add up to the same sums. Small tensors take a
-  fast path over their bytes with ``hashlib``.
+  leave the device. On the CPU the chunks are large enough (1 MiB of words) for torch's own
+  intra-op threads to share each op, which scales where splitting the words among Python threads
+  did not (each op's Python call holds the GIL); integer sums do not depend on how the threads
+  split them either. Small tensors take a fast path over their bytes with ``hashlib``.
 - Nothing here changes global torch state; unsupported objects raise ``TypeError`` naming the
   type and where it sits inside the container.
 - This is the one tensor-hashing module: ``exact_digest`` (op traces) and the checkpoint
@@ -30,7 +31,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
-import itertools
 import math
 import os
 import reprlib
@@ -48,12 +48,11 @@ __all__ = ["fingerprint", "fingerprinting"]
 
 #: Tensors of at most this many bytes are hashed with hashlib over their bytes (on the host).
 SMALL_TENSOR_BYTES = 1 << 16
-#: Words (int64) processed per chunk on the CPU (keeps the temporaries in cache) and elsewhere.
-_CPU_CHUNK_WORDS = 1 << 15
+#: Words (int64) processed per chunk on the CPU and elsewhere. A CPU chunk spans several of torch's
+#: parallel grains (32768 elements), so every op runs on the intra-op threads; smaller chunks pay
+#: more per-op Python calls, larger ones leave the cache (benchmarks/fingerprint_speed.py).
+_CPU_CHUNK_WORDS = 1 << 17
 _DEVICE_CHUNK_WORDS = 1 << 22
-
-#: CPU tensors of at least this many words are split into word ranges mixed on several threads.
-_PARALLEL_MIN_WORDS = 1 << 19
 
 _DIGEST_BYTES = 16
 _T = TypeVar("_T")
@@ -381,6 +380,13 @@ def _as_words(piece: torch.Tensor) -> torch.Tensor:
     return piece.view(torch.int64)
 
 
+class _Scratch(threading.local):
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+_cpu_scratch = _Scratch()  # at most 4 x _CPU_CHUNK_WORDS words (4 MiB) per thread that hashes
+
+
 class _WordMixer:
     """Accumulates two 64-bit lanes over position-keyed, mixed int64 words, on one device.
 
@@ -395,19 +401,32 @@ class _WordMixer:
         self.position = 0
         self.lane_a = torch.zeros((), dtype=torch.int64, device=device)
         self.lane_b = torch.zeros((), dtype=torch.int64, device=device)
-        self._base: torch.Tensor | None = None
-        self._key = torch.empty(0, dtype=torch.int64, device=device)
-        self._x = torch.empty(0, dtype=torch.int64, device=device)
-        self._tmp = torch.empty(0, dtype=torch.int64, device=device)
+        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self._base is None or self._base.numel() < n:
+        """The position keys ``arange * K`` and three scratch buffers, ``n`` words each.
+
+        On the CPU they are kept per thread between calls: allocating them and touching their
+        fresh pages cost more than mixing a tensor of a few MiB."""
+        bufs = self._bufs
+        if bufs is None or bufs[0].numel() < n:
             size = min(max(n, 1), self.chunk)
-            self._base = torch.arange(size, dtype=torch.int64, device=self.device).mul_(_K_POS)
-            self._key = torch.empty(size, dtype=torch.int64, device=self.device)
-            self._x = torch.empty(size, dtype=torch.int64, device=self.device)
-            self._tmp = torch.empty(size, dtype=torch.int64, device=self.device)
-        return self._base[:n], self._key[:n], self._x[:n], self._tmp[:n]
+            on_cpu = self.device.type == "cpu"
+            kept = _cpu_scratch.buffers if on_cpu else None
+            if kept is not None and kept[0].numel() >= size:
+                bufs = kept
+            else:
+
+                def scratch() -> torch.Tensor:
+                    return torch.empty(size, dtype=torch.int64, device=self.device)
+
+                base = torch.arange(size, dtype=torch.int64, device=self.device).mul_(_K_POS)
+                bufs = (base, scratch(), scratch(), scratch())
+                if on_cpu:
+                    _cpu_scratch.buffers = bufs
+            self._bufs = bufs
+        base, key, x, tmp = bufs
+        return base[:n], key[:n], x[:n], tmp[:n]
 
     def update(self, words: torch.Tensor) -> None:
         for start in range(0, words.numel(), self.chunk):
@@ -430,10 +449,6 @@ class _WordMixer:
 def _word_digest(t: torch.Tensor) -> bytes:
     on_cpu = t.device.type == "cpu"
     chunk = _CPU_CHUNK_WORDS if on_cpu else _DEVICE_CHUNK_WORDS
-    words = t.numel() * t.element_size() // 8
-    parts = min(torch.get_num_threads(), 4, words // max(_PARALLEL_MIN_WORDS, 1)) if on_cpu else 1
-    if parts >= 2 and t.is_contiguous():
-        return _parallel_word_digest(_flat(t).view(torch.uint8), words, parts, chunk)
     mixer = _WordMixer(t.device, chunk)
     carry: torch.Tensor | None = None
     for piece in _byte_pieces(t, chunk * 8):
@@ -448,26 +463,6 @@ def _word_digest(t: torch.Tensor) -> bytes:
         tail = bytes(carry.to("cpu").tolist())
     lanes = torch.stack([mixer.lane_a, mixer.lane_b]).to("cpu").tolist()
     return struct.pack("<qqq", mixer.position, *lanes) + tail
-
-
-def _parallel_word_digest(data: torch.Tensor, words: int, parts: int, chunk: int) -> bytes:
-    """The word digest of the contiguous CPU bytes ``data``, its words split into ``parts`` ranges
-    mixed on the hashing threads. Lanes are sums modulo 2**64 of terms keyed by absolute word
-    position, so adding the ranges' lanes gives the sequential digest exactly."""
-    bounds = [words * i // parts for i in range(parts + 1)]
-
-    def mix(span: tuple[int, int]) -> tuple[int, int]:
-        mixer = _WordMixer(data.device, chunk)
-        mixer.position = span[0]
-        for start in range(span[0] * 8, span[1] * 8, chunk * 8):
-            mixer.update(_as_words(data[start : min(start + chunk * 8, span[1] * 8)]))
-        return int(mixer.lane_a), int(mixer.lane_b)
-
-    lanes = parallel_map(mix, list(itertools.pairwise(bounds)))
-    lane_a = sum(a for a, _ in lanes) % (1 << 64)
-    lane_b = sum(b for _, b in lanes) % (1 << 64)
-    tail = ctypes.string_at(data.data_ptr() + words * 8, data.numel() - words * 8)
-    return struct.pack("<qqq", words, _signed(lane_a), _signed(lane_b)) + tail
 
 
 def _numpy_digest(arr: Any, path: str) -> bytes:
