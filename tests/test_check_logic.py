@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ENV_PREFIX, ChildSpec, python_hash_seed
-from torchrepro.check import VARY_CHOICES, CheckResult, _make_run, _run_spec, check_script
+from torchrepro.check import VARY_CHOICES, CheckResult, _make_run, _rank_notes, _run_spec, check_script
 from torchrepro.compare import Divergence
 from torchrepro.errors import LaunchError
 
@@ -126,6 +126,31 @@ def test_stderr_tail_shows_the_whole_last_traceback(tmp_path: Path) -> None:
     assert tail[0] == "Traceback (most recent call last):" and tail[-1] == "ValueError: boom"
     (tmp_path / runrecord.STDERR_FILE).write_text("\n".join(f"line {i}" for i in range(100)))
     assert run.stderr_tail(lines=5).splitlines() == [f"line {i}" for i in range(95, 100)]
+
+
+def test_a_rank_without_a_record_is_named_only_in_runs_that_ended_by_themselves(tmp_path: Path) -> None:
+    """A run the check stopped at a divergence may not have started rank 1 yet: no such note."""
+    runs = []
+    for i in range(3):
+        d = tmp_path / f"run{i + 1}"
+        d.mkdir()
+        runrecord.events_path(d, 0).write_text("")
+        runrecord.write_world(d, 0, 2)  # rank 0 saw a world of 2 ranks
+        run = _make_run(i, d, ["python", "t.py"], BASE, ranks=1)
+        run.add_ranks(run.discover())
+        runs.append(run)
+    runrecord.events_path(runs[2].record_dir, 1).write_text("")  # run 3's rank 1 recorded
+    runs[0].returncode = 0  # ended by itself, without a record of rank 1
+    runs[1].returncode = None  # stopped by the check before it ended
+    runs[2].returncode = 0
+    notes = _rank_notes(runs, None)
+    assert len(notes) == 1 and notes[0].startswith(
+        "rank 1 (started by the script) wrote no record in run(s) 1:"
+    )
+    runs[1].returncode = 0  # had it ended by itself, it would be named too
+    assert _rank_notes(runs, None)[0].startswith(
+        "rank 1 (started by the script) wrote no record in run(s) 1, 2:"
+    )
 
 
 # --- CheckResult ----------------------------------------------------------------------------------

@@ -268,7 +268,11 @@ def _rank_notes(runs: list[_Run], nproc: int | None) -> list[str]:
     notes: list[str] = []
     started = max(run.ranks for run in runs)
     for r in range(nproc or 1, started):
-        missing = [run.index + 1 for run in runs if not runrecord.events_path(run.record_dir, r).exists()]
+        missing = [  # a run the check stopped (at a divergence) may have stopped before r began
+            run.index + 1
+            for run in runs
+            if run.returncode is not None and not runrecord.events_path(run.record_dir, r).exists()
+        ]
         if missing:
             notes.append(
                 f"rank {r} (started by the script) wrote no record in run(s) "
