@@ -209,6 +209,49 @@ def test_loading_never_moves_the_global_rng(num_workers: int) -> None:
     assert_same_states(before, global_states())
 
 
+class Gaussians(Dataset[torch.Tensor]):
+    """Legacy NumPy gaussians: an odd count per sample leaves one cached in the RandomState."""
+
+    def __len__(self) -> int:
+        return 9
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(np.random.standard_normal(3 + index % 2))[:3]
+
+
+def test_loading_keeps_the_main_processes_cached_gaussian_and_numpy_state(rng_changes_ok: None) -> None:
+    """NumPy's state is saved as raw bytes around each batch: the gaussian cache must come back."""
+    np.random.seed(11)
+    np.random.standard_normal()  # one gaussian cached (has_gauss = 1)
+    before = global_states()
+    assert before[1][3] == 1
+    expected = np.random.standard_normal(5)  # what the script draws next...
+    np.random.set_state(before[1])
+    batches = passes(SeededLoader(Gaussians(), batch_size=4, seed=0, collate_fn=torch.stack), epochs=1)
+    assert len(batches) == 3
+    assert_same_states(before, global_states())
+    assert np.array_equal(np.random.standard_normal(5), expected)  # ...and still draws
+
+
+def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> None:
+    from torchrepro.data import _numpy_mt, _RawNumpyState
+
+    np.random.seed(5)
+    np.random.standard_normal()
+    reference = np.random.get_state()
+    saved = _numpy_mt.save(np)
+    assert isinstance(saved, _RawNumpyState)  # the fast path is found on this NumPy
+    for draw in (lambda: np.random.standard_normal(7), lambda: np.random.randint(0, 9, 2000)):
+        draw()
+        _numpy_mt.restore(np, saved)
+        assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
+    # a state saved from another RandomState object goes back through NumPy's API, values intact
+    other = _RawNumpyState(np.random.RandomState(0), saved.mt, saved.aug)
+    np.random.seed(6)
+    _numpy_mt.restore(np, other)
+    assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
+
+
 def test_extra_validation_pass_does_not_shift_training(rng_changes_ok: None) -> None:
     dropout = torch.nn.Dropout(0.5)
 
