@@ -128,8 +128,8 @@ def test_stderr_tail_shows_the_whole_last_traceback(tmp_path: Path) -> None:
     assert run.stderr_tail(lines=5).splitlines() == [f"line {i}" for i in range(95, 100)]
 
 
-def test_a_rank_without_a_record_is_named_only_in_runs_that_ended_by_themselves(tmp_path: Path) -> None:
-    """A run the check stopped at a divergence may not have started rank 1 yet: no such note."""
+def test_a_rank_without_a_record_is_said_apart_for_runs_the_check_stopped(tmp_path: Path) -> None:
+    """A run the check stopped at a divergence may not have started rank 1 yet: said apart."""
     runs = []
     for i in range(3):
         d = tmp_path / f"run{i + 1}"
@@ -144,13 +144,11 @@ def test_a_rank_without_a_record_is_named_only_in_runs_that_ended_by_themselves(
     runs[1].returncode = None  # stopped by the check before it ended
     runs[2].returncode = 0
     notes = _rank_notes(runs, None)
-    assert len(notes) == 1 and notes[0].startswith(
-        "rank 1 (started by the script) wrote no record in run(s) 1:"
-    )
-    runs[1].returncode = 0  # had it ended by itself, it would be named too
-    assert _rank_notes(runs, None)[0].startswith(
-        "rank 1 (started by the script) wrote no record in run(s) 1, 2:"
-    )
+    missing = "rank 1 (started by the script) wrote no record in run(s)"
+    stopped = "rank 1 (started by the script) had written no record when the check stopped run(s)"
+    assert len(notes) == 2 and notes[0].startswith(f"{missing} 1:") and notes[1].startswith(f"{stopped} 2,")
+    runs[1].returncode = 0  # had it ended by itself, it would be named with run 1
+    assert _rank_notes(runs, None) == [notes[0].replace(f"{missing} 1:", f"{missing} 1, 2:")]
 
 
 # --- CheckResult ----------------------------------------------------------------------------------

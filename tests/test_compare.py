@@ -510,3 +510,17 @@ def test_coverage_counts_compared_events_per_rank_and_kind() -> None:
     assert not covered.conclusive
     assert "nothing beyond init compared on rank(s) 1" in covered.describe()
     assert coverage([cursor], [0]).conclusive
+
+
+def test_an_inconclusive_note_says_which_ranks_were_not_compared() -> None:
+    """Training compared on rank 0 only: the note must not claim nothing was compared at all."""
+    partial = Coverage(per_rank={0: {"init": 1, "compute": 3}, 1: {"init": 1}}, ranks_expected=(0, 1, 2))
+    assert partial.inconclusive_note() == (
+        "inconclusive: nothing that changes during training was compared on rank(s) 1, 2 (training "
+        "was compared on rank(s) 0); a rank that was not compared cannot pass"
+    )
+    nothing = Coverage(per_rank={0: {"init": 1, "final": 1}}, ranks_expected=(0,))
+    assert nothing.inconclusive_note().startswith(
+        "inconclusive: nothing that changes during training was compared:"
+    )
+    assert "optimizer step" in nothing.inconclusive_note()

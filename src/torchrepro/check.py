@@ -31,7 +31,6 @@ from typing import IO, Any
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.compare import (
-    INCONCLUSIVE_HINT,
     Coverage,
     Divergence,
     RankCursor,
@@ -268,16 +267,22 @@ def _rank_notes(runs: list[_Run], nproc: int | None) -> list[str]:
     notes: list[str] = []
     started = max(run.ranks for run in runs)
     for r in range(nproc or 1, started):
-        missing = [  # a run the check stopped (at a divergence) may have stopped before r began
-            run.index + 1
-            for run in runs
-            if run.returncode is not None and not runrecord.events_path(run.record_dir, r).exists()
-        ]
-        if missing:
+        ended: list[str] = []
+        stopped: list[str] = []  # runs the check stopped (at a divergence): r may not have begun
+        for run in runs:
+            if not runrecord.events_path(run.record_dir, r).exists():
+                (ended if run.returncode is not None else stopped).append(str(run.index + 1))
+        if ended:
             notes.append(
-                f"rank {r} (started by the script) wrote no record in run(s) "
-                f"{', '.join(map(str, missing))}: it joined the process group but was not a python "
-                "process torchrepro could configure (e.g. a forked process), or it ended first"
+                f"rank {r} (started by the script) wrote no record in run(s) {', '.join(ended)}: it "
+                "joined the process group but was not a python process torchrepro could configure "
+                "(e.g. a forked process), or it ended first"
+            )
+        if stopped:
+            notes.append(
+                f"rank {r} (started by the script) had written no record when the check stopped "
+                f"run(s) {', '.join(stopped)}, so it was not compared (a process torchrepro cannot "
+                "configure, e.g. a forked one, never writes one)"
             )
     children: dict[str, list[int]] = {}
     for run in runs:
@@ -456,7 +461,7 @@ def check_script(
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
-        notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
+        notes.append(covered.inconclusive_note())
     elif first is None and rank_notes:
         reproducible = None
         notes.append("inconclusive: a python process the script started trained unrecorded (above)")

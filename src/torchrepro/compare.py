@@ -412,6 +412,18 @@ class Coverage:
         """Whether an "identical" verdict may be claimed from what was compared."""
         return bool(self.ranks_expected) and not self.uncovered_ranks
 
+    def inconclusive_note(self) -> str:
+        """Why an "identical" verdict cannot be claimed (for a coverage that is not conclusive)."""
+        covered = [r for r in self.ranks_expected if r not in self.uncovered_ranks]
+        if not covered:
+            return f"inconclusive: {INCONCLUSIVE_HINT}"
+        uncovered = ", ".join(map(str, self.uncovered_ranks))
+        return (
+            f"inconclusive: nothing that changes during training was compared on rank(s) {uncovered} "
+            f"(training was compared on rank(s) {', '.join(map(str, covered))}); a rank that was not "
+            "compared cannot pass"
+        )
+
     def describe(self) -> str:
         """One line for people: what was compared, and what was not."""
         counts = self.per_kind
@@ -481,7 +493,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
-        notes.append(f"inconclusive: {INCONCLUSIVE_HINT}")
+        notes.append(covered.inconclusive_note())
     started = setting_differences(a, b)
     return Comparison(
         reproducible=reproducible,

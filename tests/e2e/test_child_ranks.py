@@ -58,6 +58,22 @@ def test_a_child_without_a_rank_of_its_own_makes_the_check_inconclusive(tmp_path
     assert "no RANK or LOCAL_RANK of its own" in notes
 
 
+def test_a_forked_rank_is_never_a_pass(tmp_path: Path) -> None:
+    """A rank forked from rank 0 cannot be configured or recorded: inconclusive, naming it; with
+    unseeded noise on it, the all-reduced gradients part on rank 0 (the negative control)."""
+    code, verdict, err = check(tmp_path, str(SCRIPTS / "fork_rank.py"))
+    assert code == 3, (verdict, err)
+    assert verdict["inconclusive"] is True and verdict["coverage"]["uncovered_ranks"] == [1]
+    assert _trained(verdict, 0) == 3
+    notes = "\n".join(verdict["notes"])
+    assert "rank 1 (started by the script) wrote no record in run(s) 1, 2" in notes, notes
+    assert "was compared on rank(s) 1 (training was compared on rank(s) 0)" in notes, notes
+    code, verdict, err = check(tmp_path, str(SCRIPTS / "fork_rank.py"), "--noisy")
+    assert code == 1, (verdict, err)
+    first = verdict["first_divergence"]
+    assert (first["rank"], first["kind"], first["step"], first["name"]) == (0, "compute", 0, "grad:0.weight")
+
+
 def test_spawned_dataloader_workers_are_left_to_torch(tmp_path: Path) -> None:
     """Spawn-method DataLoader workers are python children of the run: they are not configured
     (no strict switches, no record, no uncovered note); torch seeds them from the seeded main."""
