@@ -499,13 +499,13 @@ class _NumpyMT:
         """The global state, for ``restore``."""
         if self._attach(np) is None or self.gauss_at is None:
             return np.random.get_state()
-        return self._raw()
+        return self._raw(self.gauss_at)
 
     def restore(self, np: Any, saved: Any) -> None:
         if not isinstance(saved, _RawNumpyState):
             np.random.set_state(saved)
         elif self._attach(np) is not None and self.gauss_at is not None and saved.owner is self.random_state:
-            self._write(saved)
+            self._write(saved, self.gauss_at)
         else:  # the global RandomState was replaced meanwhile: put the values back through the API
             key = np.frombuffer(saved.mt[:-4], dtype=np.uint32).copy()
             pos = int.from_bytes(saved.mt[-4:], sys.byteorder, signed=True)
@@ -513,16 +513,14 @@ class _NumpyMT:
             (gauss,) = struct.unpack("=d", saved.aug[8:16])
             np.random.set_state(("MT19937", key, pos, has_gauss, gauss))
 
-    def _raw(self) -> _RawNumpyState:
-        assert self.gauss_at is not None
+    def _raw(self, gauss_at: int) -> _RawNumpyState:
         owner = self.random_state
         mt = ctypes.string_at(ctypes.addressof(self.words), _MT_STATE_BYTES)
-        return _RawNumpyState(owner, mt, ctypes.string_at(id(owner) + self.gauss_at, 16))
+        return _RawNumpyState(owner, mt, ctypes.string_at(id(owner) + gauss_at, 16))
 
-    def _write(self, saved: _RawNumpyState) -> None:
-        assert self.gauss_at is not None
+    def _write(self, saved: _RawNumpyState, gauss_at: int) -> None:
         ctypes.memmove(ctypes.addressof(self.words), saved.mt, _MT_STATE_BYTES)
-        ctypes.memmove(id(saved.owner) + self.gauss_at, saved.aug, 16)
+        ctypes.memmove(id(saved.owner) + gauss_at, saved.aug, 16)
 
     def _find_gauss(self, random_state: Any) -> int | None:
         """Where ``random_state`` keeps ``int has_gauss`` (then ``double gauss``, 8 bytes on), or
@@ -534,7 +532,7 @@ class _NumpyMT:
         except (AttributeError, TypeError, ValueError):
             return None
         try:
-            found: int | None = None
+            found = -1
             for has_gauss, gauss in ((1, 0.12345678901234568), (0, -0.0027182818284590454)):
                 random_state.set_state((saved[0], saved[1], saved[2], has_gauss, gauss))
                 raw = ctypes.string_at(id(random_state), size)
@@ -544,16 +542,15 @@ class _NumpyMT:
                     return None
                 if int.from_bytes(raw[at - 8 : at - 4], sys.byteorder, signed=True) != has_gauss:
                     return None
-                if found not in (None, at - 8):
+                if found not in (-1, at - 8):
                     return None
                 found = at - 8
-            self.gauss_at = found
             random_state.set_state((saved[0], saved[1], saved[2], 1, 0.5))
             before = random_state.get_state(legacy=True)
-            raw_state = self._raw()
+            raw_state = self._raw(found)
             random_state.standard_normal(3)  # moves the key and position, caches another gaussian
             random_state.randint(0, 1 << 30, size=700)  # wraps the 624-word state
-            self._write(raw_state)
+            self._write(raw_state, found)
             after = random_state.get_state(legacy=True)
             same = (
                 before[0] == after[0]
@@ -564,7 +561,6 @@ class _NumpyMT:
         except Exception:  # an unexpected layout: NumPy's API it is
             return None
         finally:
-            self.gauss_at = None
             random_state.set_state(saved)
 
 
