@@ -7,9 +7,12 @@ every sample, randomness no seeding reaches (the negative control).
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
-from torch.utils.data import Dataset
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
 
 class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -48,3 +51,20 @@ def train(net: torch.nn.Module, loader: torch.utils.data.DataLoader, steps: int 
             done += 1
             if done == steps:
                 return
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for the ranks' rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ddp_rank(rank: int, port: int, noisy: bool) -> None:
+    """One of two gloo ranks: DDP training on its data (``noisy``: rank 1 adds unseeded noise)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    data = Points(noisy=noisy and rank == 1)
+    net = DistributedDataParallel(model())
+    train(net, DataLoader(data, batch_size=4, shuffle=True))
+    dist.barrier()
+    dist.destroy_process_group()
