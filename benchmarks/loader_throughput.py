@@ -79,6 +79,33 @@ def one_pass(loader: Any) -> tuple[float, float]:
     return samples / (time.perf_counter() - start), samples / cpu_s
 
 
+def lockstep(loaders: list[tuple[str, Any]], repeats: int) -> dict[str, tuple[float, float]]:
+    """Samples per second of loaders without workers, batch by batch in lockstep: one batch of
+    each in turn (the order rotating), every batch timed alone; the figure is the median batch,
+    in wall clock and in CPU time. A burst of load on the machine hits the three alike and spoils
+    a few batches instead of a whole pass (repeated passes of one loader after another moved the
+    ratio by +-5% here)."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in loaders}
+    clock, cpu_clock = time.perf_counter, time.process_time
+    for _ in range(repeats):
+        iterators = [(name, iter(loader)) for name, loader in loaders]
+        step = 0
+        while iterators:
+            shift = step % len(iterators)
+            for name, iterator in iterators[shift:] + iterators[:shift]:
+                start, cpu = clock(), cpu_clock()
+                batch = next(iterator, None)
+                if batch is None:
+                    iterators = [entry for entry in iterators if entry[0] != name]
+                    continue
+                times[name].append((len(batch[0]) / (clock() - start), len(batch[0]) / (cpu_clock() - cpu)))
+            step += 1
+    return {
+        name: (statistics.median(t[0] for t in rows), statistics.median(t[1] for t in rows))
+        for name, rows in times.items()
+    }
+
+
 def seeding_cost_us() -> dict[str, float]:
     """CPU microseconds per sample of each per-sample seeding call (best of several runs)."""
     from torchrepro.data import _Deriver
@@ -113,7 +140,7 @@ def seeding_cost_us() -> dict[str, float]:
 def state_saving_cost_us() -> dict[str, float]:
     """CPU microseconds per batch to save and put back NumPy's global RNG state in the main
     process: as SeededLoader does it (raw bytes) and through NumPy's API (best of several runs)."""
-    from torchrepro.data import _numpy_mt
+    from torchrepro._rawrng import _numpy_mt
 
     def raw() -> None:
         _numpy_mt.restore(np, _numpy_mt.save(np))
@@ -133,6 +160,33 @@ def state_saving_cost_us() -> dict[str, float]:
     return best
 
 
+class BareSeeding(Dataset[Any]):
+    """The per-sample seeding alone, as cheap as it gets: NumPy's and torch's global RNGs seeded
+    from the sample's key before each sample (keys derived per batch), nothing else (no state put
+    back, no sampler of keys, no check of which RNGs are drawn). Its throughput is the ceiling of
+    any loader that keys global RNGs per sample, measured in place: between real samples the
+    seeding calls cost more than in a hot loop (cold caches, and the Mersenne Twister a seed
+    starts must be regenerated at the first draw)."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        from torchrepro.data import _Deriver
+
+        self.dataset = dataset
+        self.derive = _Deriver(0, ("sample", 0), 3)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        np_seed, torch_seed, dataset = np.random.seed, torch.default_generator.manual_seed, self.dataset
+        samples = []
+        for index, seed in zip(indices, self.derive.many(indices), strict=True):
+            np_seed(seed >> 32)
+            torch_seed(seed)
+            samples.append(dataset[index])
+        return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=4096)
@@ -145,47 +199,57 @@ def main() -> None:
     floor = cost.pop("together")
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.samples} samples, "
-        f"batch {args.batch_size}, {args.repeats} alternating repeats (median)"
+        f"batch {args.batch_size}, {args.repeats} repeats (median); num_workers 0: batches in "
+        "lockstep, 2: whole passes in rotating order"
     )
-    header = ("num_workers", "DataLoader", "SeededLoader", "ratio", "CPU ratio", "CPU us/sample", "ceiling")
-    print("{:>11}  {:>14}  {:>14}  {:>6}  {:>9}  {:>15}  {:>7}".format(*header))
+    header = ("num_workers", "DataLoader", "SeededLoader", "ratio", "CPU ratio", "CPU us/sample", "bare")
+    print("{:>11}  {:>14}  {:>14}  {:>6}  {:>9}  {:>15}  {:>5}".format(*header))
     ratios = []
     for num_workers in (0, 2):
         extra: dict[str, Any] = {"persistent_workers": True} if num_workers else {}
-        plain = DataLoader(
-            dataset,
-            batch_size=args.batch_size,
-            shuffle=True,
-            num_workers=num_workers,
-            generator=torch.Generator().manual_seed(0),
-            **extra,
+        plain, bare = (
+            DataLoader(
+                source,
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=num_workers,
+                generator=torch.Generator().manual_seed(0),
+                **extra,
+            )
+            for source in (dataset, BareSeeding(dataset))
         )
         seeded = torchrepro.SeededLoader(
             dataset, batch_size=args.batch_size, seed=0, num_workers=num_workers, **extra
         )
-        one_pass(plain), one_pass(seeded)  # warm up (start persistent workers, caches)
-        rates: dict[str, list[tuple[float, float]]] = {"plain": [], "seeded": []}
-        for repeat in range(args.repeats):
-            order = [("plain", plain), ("seeded", seeded)]
-            for name, loader in order if repeat % 2 == 0 else order[::-1]:
-                rates[name].append(one_pass(loader))
-        plain_rate, seeded_rate = (statistics.median(r[0] for r in rates[k]) for k in ("plain", "seeded"))
-        plain_cpu, seeded_cpu = (statistics.median(r[1] for r in rates[k]) for k in ("plain", "seeded"))
-        ratio = seeded_rate / plain_rate
+        loaders = [("plain", plain), ("seeded", seeded), ("bare", bare)]
+        for _, loader in loaders:
+            one_pass(loader)  # warm up (start persistent workers, caches)
+        if num_workers == 0:
+            medians = lockstep(loaders, args.repeats)
+            wall = {name: rate[0] for name, rate in medians.items()}
+            cpu = {name: rate[1] for name, rate in medians.items()}
+        else:  # workers prefetch: only whole passes measure throughput
+            rates: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in loaders}
+            for repeat in range(args.repeats):
+                shift = repeat % len(loaders)  # each loader runs first, second and last alike
+                for name, loader in loaders[shift:] + loaders[:shift]:
+                    rates[name].append(one_pass(loader))
+            wall = {name: statistics.median(r[0] for r in rates[name]) for name in rates}
+            cpu = {name: statistics.median(r[1] for r in rates[name]) for name in rates}
+        ratio = wall["seeded"] / wall["plain"]
         ratios.append(ratio)
-        plain_us, seeded_us = 1e6 / plain_cpu, 1e6 / seeded_cpu
-        ceiling = plain_us / (plain_us + floor)  # if seeding were the only overhead
+        plain_us, seeded_us = 1e6 / cpu["plain"], 1e6 / cpu["seeded"]
         print(
-            f"{num_workers:>11}  {plain_rate:>10.0f} s/s  {seeded_rate:>10.0f} s/s  {ratio:>6.3f}  "
-            f"{seeded_cpu / plain_cpu:>9.3f}  {plain_us:>6.1f} -> {seeded_us:>5.1f}  {ceiling:>7.3f}"
+            f"{num_workers:>11}  {wall['plain']:>10.0f} s/s  {wall['seeded']:>10.0f} s/s  {ratio:>6.3f}  "
+            f"{cpu['seeded'] / cpu['plain']:>9.3f}  {plain_us:>6.1f} -> {seeded_us:>5.1f}  "
+            f"{wall['bare'] / wall['plain']:>5.3f}"
         )
-        del plain, seeded  # shut persistent workers down before the next configuration
+        del plain, seeded, bare, loaders  # shut persistent workers down before the next configuration
     parts = ", ".join(f"{name} {us:.1f}" for name, us in cost.items())
-    print(f"per-sample seeding cost (CPU us): {floor:.1f} as SeededLoader calls it ({parts})")
+    print(f"per-sample seeding cost in a hot loop (CPU us): {floor:.1f} as SeededLoader calls it ({parts})")
     print(
-        "ceiling: the ratio if the seeding calls were SeededLoader's only cost "
-        "(CPU us of DataLoader / (that + seeding cost)); the cost is measured in a hot loop: between "
-        "real samples (cold caches) the same calls take ~1.3x longer, so the true ceiling is lower"
+        "bare: a DataLoader whose dataset only seeds NumPy and torch per sample (BareSeeding), over "
+        "DataLoader: the ceiling of per-sample seeding, measured between real samples"
     )
     saving = state_saving_cost_us()
     print(

@@ -234,7 +234,7 @@ def test_loading_keeps_the_main_processes_cached_gaussian_and_numpy_state(rng_ch
 
 
 def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> None:
-    from torchrepro.data import _numpy_mt, _RawNumpyState
+    from torchrepro._rawrng import _numpy_mt, _RawNumpyState
 
     np.random.seed(5)
     np.random.standard_normal()
@@ -250,6 +250,50 @@ def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> No
     np.random.seed(6)
     _numpy_mt.restore(np, other)
     assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
+
+
+def test_raw_python_state_round_trips_like_pythons_own(rng_changes_ok: None) -> None:
+    from torchrepro._rawrng import _python_mt, _RawPythonState
+
+    random.seed(5)
+    random.gauss(0.0, 1.0)  # one gaussian cached in gauss_next
+    reference = random.getstate()
+    saved = _python_mt.save()
+    assert isinstance(saved, _RawPythonState)  # the fast path is found on this interpreter
+    token = _python_mt.token()
+    draws = (lambda: random.random(), lambda: random.gauss(0.0, 1.0), lambda: random.getrandbits(32 * 624))
+    for draw in draws:
+        draw()
+        assert _python_mt.token() != token  # every kind of draw is seen (the cached gaussian too)
+        _python_mt.restore(saved)
+        assert random.getstate() == reference
+        assert _python_mt.token() == token
+    # a state saved from another Random object goes back through the API, values intact
+    other = _RawPythonState(random.Random(0), saved.mt, saved.gauss_next)
+    random.seed(6)
+    _python_mt.restore(other)
+    assert random.getstate() == reference
+
+
+def test_python_state_falls_back_to_the_api_for_a_replaced_random(
+    monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
+) -> None:
+    """A module whose functions are not bound to a stock Random is saved through getstate."""
+    from torchrepro._rawrng import _PythonMT
+
+    class Patched(random.Random):
+        pass
+
+    inst = Patched(3)
+    for name in ("random", "getstate", "setstate"):
+        monkeypatch.setattr(random, name, getattr(inst, name))
+    python_mt = _PythonMT()
+    saved = python_mt.save()
+    assert saved == inst.getstate()
+    inst.random()
+    assert python_mt.token() != saved
+    python_mt.restore(saved)
+    assert inst.getstate() == saved
 
 
 def test_extra_validation_pass_does_not_shift_training(rng_changes_ok: None) -> None:
@@ -385,11 +429,15 @@ def test_sample_rng_outside_a_loader_raises() -> None:
 @given(
     st.integers(0, 2**64 - 1),
     st.integers(0, 10**6),
-    st.integers(0, 2**40),
+    st.integers(0, 2**80),  # past 8 bytes too (the header is computed, not looked up)
 )
 def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
     assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
     assert _Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
+    keys = [index, index // 3, 0, 2**63 - 1, 2**63]
+    assert _Deriver(seed, ("sample", epoch), 3).many(keys) == [
+        derive_seed(seed, "sample", epoch, key) for key in keys
+    ]
     assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
         seed, "object", epoch, index, "a.0"
     )

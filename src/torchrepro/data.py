@@ -23,14 +23,13 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import math
 import random
 import struct
 import sys
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -39,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, defa
 from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import numpy_or_none, require_numpy
+from torchrepro._rawrng import _numpy_mt, _python_mt
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
 from torchrepro.seeding import (
     _PERSON,
@@ -86,14 +86,26 @@ class _Deriver:
         return int.from_bytes(h.digest(), "little")
 
     def one(self, key: int) -> int:
-        """``self(key)`` for one int key: ``_encode_key`` inlined (the per-sample hot path)."""
-        h = self._hash.copy()
-        length = (key.bit_length() + 8) // 8
-        h.update(b"i" + _pack_u32(length) + key.to_bytes(length, "little", signed=True))
-        return int.from_bytes(h.digest(), "little")
+        """``self(key)`` for one int key: ``_encode_key`` inlined."""
+        return self.many((key,))[0]
+
+    def many(self, keys: Iterable[int]) -> list[int]:
+        """``[self(key) for key in keys]`` for int keys (the per-sample hot path: one call per
+        batch, ``_encode_key``'s header looked up for lengths up to 8 bytes)."""
+        base, heads, pack, from_bytes = self._hash, _INT_HEADS, _pack_u32, int.from_bytes
+        seeds: list[int] = []
+        append = seeds.append
+        for key in keys:
+            h = base.copy()
+            length = (key.bit_length() + 8) >> 3  # room for the sign bit
+            head = heads[length] if length < len(heads) else b"i" + pack(length)
+            h.update(head + key.to_bytes(length, "little", signed=True))
+            append(from_bytes(h.digest(), "little"))
+        return seeds
 
 
 _pack_u32 = struct.Struct("<I").pack
+_INT_HEADS = tuple(b"i" + _pack_u32(length) for length in range(9))  # _encode_key's type and length
 
 
 # --------------------------------------------------------------------------------------------
@@ -442,135 +454,10 @@ class _Watch:
         self.available, self.drawn, self.seeded = state
 
 
-_MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], then int pos
-
-
-class _RawNumpyState:
-    """NumPy's global RNG state as raw bytes: the MT19937 state and the legacy gaussian cache."""
-
-    __slots__ = ("aug", "mt", "owner")
-
-    def __init__(self, owner: Any, mt: bytes, aug: bytes) -> None:
-        self.owner, self.mt, self.aug = owner, mt, aug
-
-
-class _NumpyMT:
-    """NumPy's global Mersenne Twister read and written in place (ctypes).
-
-    ``token`` reads its position and first word, about 100x cheaper than ``np.random.get_state()``
-    (any draw after seeding changes them). ``save``/``restore`` copy the state as raw bytes
-    (0.4 us instead of 30+ us each way through NumPy's API): the MT19937 state struct at the
-    bit generator's documented ``ctypes.state_address``, and the legacy ``RandomState``'s cached
-    gaussian (``has_gauss``, ``gauss``), whose place in the object is found once per object by
-    setting known values through the API, then checked by a full round trip; wherever that
-    fails, NumPy's own ``get_state``/``set_state`` are used.
-    """
-
-    def __init__(self) -> None:
-        self.random_state: Any = None
-        self.bit_generator: Any = None
-        self.words: Any = None
-        self.gauss_at: int | None = None  # offset of (int has_gauss, double gauss) in random_state
-
-    def _attach(self, np: Any) -> Any:
-        random_state = np.random.get_state.__self__  # the RandomState np.random.* draw from
-        bit_generator = random_state._bit_generator
-        if bit_generator is not self.bit_generator or random_state is not self.random_state:
-            self.random_state, self.bit_generator = random_state, bit_generator
-            self.words, self.gauss_at = None, None
-            try:  # numpy's mt19937_state: uint32 key[624], then int pos
-                address = bit_generator.ctypes.state_address
-                if type(bit_generator).__name__ == "MT19937" and isinstance(address, int):
-                    self.words = (ctypes.c_uint32 * 625).from_address(address)
-            except (AttributeError, TypeError, ValueError):
-                self.words = None
-            if self.words is not None:
-                self.gauss_at = self._find_gauss(random_state)
-        return self.words
-
-    def token(self, np: Any) -> Any:
-        words = self._attach(np)
-        if words is None:
-            state = np.random.get_state()
-            return (int(state[2]), state[1].tobytes(), state[3])
-        return (words[624], words[0], words[623])
-
-    def save(self, np: Any) -> Any:
-        """The global state, for ``restore``."""
-        if self._attach(np) is None or self.gauss_at is None:
-            return np.random.get_state()
-        return self._raw(self.gauss_at)
-
-    def restore(self, np: Any, saved: Any) -> None:
-        if not isinstance(saved, _RawNumpyState):
-            np.random.set_state(saved)
-        elif self._attach(np) is not None and self.gauss_at is not None and saved.owner is self.random_state:
-            self._write(saved, self.gauss_at)
-        else:  # the global RandomState was replaced meanwhile: put the values back through the API
-            key = np.frombuffer(saved.mt[:-4], dtype=np.uint32).copy()
-            pos = int.from_bytes(saved.mt[-4:], sys.byteorder, signed=True)
-            has_gauss = int.from_bytes(saved.aug[:4], sys.byteorder, signed=True)
-            (gauss,) = struct.unpack("=d", saved.aug[8:16])
-            np.random.set_state(("MT19937", key, pos, has_gauss, gauss))
-
-    def _raw(self, gauss_at: int) -> _RawNumpyState:
-        owner = self.random_state
-        mt = ctypes.string_at(ctypes.addressof(self.words), _MT_STATE_BYTES)
-        return _RawNumpyState(owner, mt, ctypes.string_at(id(owner) + gauss_at, 16))
-
-    def _write(self, saved: _RawNumpyState, gauss_at: int) -> None:
-        ctypes.memmove(ctypes.addressof(self.words), saved.mt, _MT_STATE_BYTES)
-        ctypes.memmove(id(saved.owner) + gauss_at, saved.aug, 16)
-
-    def _find_gauss(self, random_state: Any) -> int | None:
-        """Where ``random_state`` keeps ``int has_gauss`` (then ``double gauss``, 8 bytes on), or
-        None. Found by setting two known pairs through NumPy's API, then a raw save, draws and a raw
-        restore must give back exactly the state NumPy reports; the state is put back either way."""
-        try:
-            saved = random_state.get_state(legacy=True)
-            size = type(random_state).__basicsize__
-        except (AttributeError, TypeError, ValueError):
-            return None
-        try:
-            found = -1
-            for has_gauss, gauss in ((1, 0.12345678901234568), (0, -0.0027182818284590454)):
-                random_state.set_state((saved[0], saved[1], saved[2], has_gauss, gauss))
-                raw = ctypes.string_at(id(random_state), size)
-                value = struct.pack("=d", gauss)
-                at = raw.find(value)
-                if at < 8 or at % 8 or raw.find(value, at + 1) != -1:
-                    return None
-                if int.from_bytes(raw[at - 8 : at - 4], sys.byteorder, signed=True) != has_gauss:
-                    return None
-                if found not in (-1, at - 8):
-                    return None
-                found = at - 8
-            random_state.set_state((saved[0], saved[1], saved[2], 1, 0.5))
-            before = random_state.get_state(legacy=True)
-            raw_state = self._raw(found)
-            random_state.standard_normal(3)  # moves the key and position, caches another gaussian
-            random_state.randint(0, 1 << 30, size=700)  # wraps the 624-word state
-            self._write(raw_state, found)
-            after = random_state.get_state(legacy=True)
-            same = (
-                before[0] == after[0]
-                and before[1].tobytes() == after[1].tobytes()
-                and tuple(before[2:]) == tuple(after[2:])
-            )
-            return found if same else None
-        except Exception:  # an unexpected layout: NumPy's API it is
-            return None
-        finally:
-            random_state.set_state(saved)
-
-
-_numpy_mt = _NumpyMT()
-
-
 def _rng_tokens(which: int, np: Any) -> tuple[Any, Any, Any]:
     """Something that changes whenever the global RNGs in ``which`` are drawn from."""
     return (
-        random.getstate() if which & PYTHON_RNG else None,
+        _python_mt.token() if which & PYTHON_RNG else None,
         _numpy_mt.token(np) if which & NUMPY_RNG else None,
         torch.default_generator.get_state() if which & TORCH_RNG else None,
     )
@@ -755,7 +642,7 @@ class _SeededDataset(Dataset[Any]):
         in_main = get_worker_info() is None
         if in_main:
             saved = (
-                random.getstate(),
+                _python_mt.save(),
                 _numpy_mt.save(np) if np is not None else None,
                 torch.get_rng_state(),
             )
@@ -776,8 +663,7 @@ class _SeededDataset(Dataset[Any]):
                 # Keys first, in one tight loop: interleaved with the samples (which evict the
                 # caches) each derivation costs several times more.
                 indices = [key[2] for key in keys]
-                one = sample_seed.one
-                seeds = [one(index) for index in indices]
+                seeds = sample_seed.many(indices)
                 s = batch_seed.one(batch_index)
                 samples = self._load_samples(indices, seeds, s, object_seed, np)
                 active.seed, active.rng = s, None
@@ -785,7 +671,7 @@ class _SeededDataset(Dataset[Any]):
         finally:
             active.seed, active.rng = outer
             if in_main:
-                random.setstate(saved[0])
+                _python_mt.restore(saved[0])
                 if np is not None:
                     _numpy_mt.restore(np, saved[1])
                 torch.set_rng_state(saved[2])
