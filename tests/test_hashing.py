@@ -469,3 +469,29 @@ def test_same_digests_in_a_fresh_process_with_other_hash_seed_and_threads(rng_ch
     }
     assert {k: child[k] for k in here} == here
     assert child["big_t flipped"] != here["big_t"]  # negative control: one flipped sign bit
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(), (0,), (1,), (5,), (3, 4), (2, 1, 3)])
+def test_small_tensor_fast_path_equals_the_digest_format(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The cached-header fast path gives the format's value, every time (the header's hash state
+    is cached per dtype and shape), also after the cache was emptied."""
+    import hashlib
+
+    t = random_tensor(shape, dtype, seed=len(shape) + 3)
+    body = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    header = fp_mod._header(b"tensor", str(t.dtype), tuple(t.shape))
+    expected = fp_mod._blake(header, b"small", hashlib.sha256(body).digest()).hex()
+    assert fingerprint(t) == expected
+    assert fingerprint(t) == expected  # from the cached header
+    fp_mod._SMALL_HEADS.clear()
+    assert fingerprint(t.detach()) == expected
+    if t.dim() == 2:  # another layout of the same values takes the general path: same digest
+        assert fingerprint(t.t().contiguous().t()) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40), st.lists(st.text(max_size=40), max_size=8))
+def test_fingerprint_texts_equals_fingerprint_of_the_list(head: str, texts: list[str]) -> None:
+    assert fp_mod.fingerprint_texts(head, texts) == fingerprint([head, texts])

@@ -51,9 +51,15 @@ def paused() -> contextlib.AbstractContextManager[Any]:
 
 
 def _fingerprint(obj: Any) -> str:
-    from torchrepro.hashing import fingerprint
+    global _fingerprint_fn
+    if _fingerprint_fn is None:
+        from torchrepro.hashing import fingerprint
 
-    return fingerprint(obj)
+        _fingerprint_fn = fingerprint
+    return _fingerprint_fn(obj)
+
+
+_fingerprint_fn: Callable[[Any], str] | None = None  # hashing is imported at the first event
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str = "", depth: int = 0) -> Any:
@@ -102,14 +108,21 @@ def _sub(path: str, key: Any) -> str:
     return f"{path}[{shown}]"
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
-    entry: dict[str, Any] = {
-        "fp": _fingerprint(t),
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "shape": list(t.shape),
-    }
+    dtype = t.dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    entry: dict[str, Any] = {"fp": _fingerprint(t), "dtype": name, "shape": list(t.shape)}
     if 0 < t.numel() <= values_max and not t.is_complex() and t.layout == torch.strided:
-        entry["v"] = t.detach().reshape(-1).to("cpu", torch.float64).tolist()
+        flat = t.detach().reshape(-1)
+        # Floating values become Python floats exactly as through float64; others are converted.
+        if not (flat.is_floating_point() and flat.is_cpu):
+            flat = flat.to("cpu", torch.float64)
+        entry["v"] = flat.tolist()
     return entry
 
 
@@ -126,7 +139,9 @@ def _digest(obj: Any, values_max: int, *, named: bool = False) -> tuple[str, lis
     else:
         skeleton = _flatten(obj, leaves, names)
     entries = [_leaf_entry(t, values_max) for t in leaves]
-    fp = _fingerprint([json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries]])
+    from torchrepro.hashing import fingerprint_texts
+
+    fp = fingerprint_texts(json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries])
     for entry, name in zip(entries, names, strict=True):
         if name:
             entry["n"] = name
