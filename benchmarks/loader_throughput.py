@@ -161,18 +161,22 @@ def state_saving_cost_us() -> dict[str, float]:
 
 
 class BareSeeding(Dataset[Any]):
-    """The per-sample seeding alone, as cheap as it gets: NumPy's and torch's global RNGs seeded
-    from the sample's key before each sample (keys derived per batch), nothing else (no state put
-    back, no sampler of keys, no check of which RNGs are drawn). Its throughput is the ceiling of
-    any loader that keys global RNGs per sample, measured in place: between real samples the
-    seeding calls cost more than in a hot loop (cold caches, and the Mersenne Twister a seed
-    starts must be regenerated at the first draw)."""
+    """The per-sample seeding alone, as cheap as it gets: NumPy's global RNG (and torch's, with
+    ``torch_too``) seeded from the sample's key before each sample (keys derived per batch),
+    nothing else (no state put back, no sampler of keys, no check of which RNGs are drawn). Its
+    throughput is the ceiling of any loader that keys those RNGs per sample, measured in place:
+    between real samples the seeding calls cost more than in a hot loop (cold caches, and the
+    Mersenne Twister a seed starts is regenerated at the first draw). NumPy alone is the ceiling
+    even for a loader that seeded only the RNGs a dataset draws from (this one draws from NumPy's);
+    SeededLoader also seeds torch's for every sample: a dataset may read ``torch.initial_seed()``
+    without drawing, which no check could see."""
 
-    def __init__(self, dataset: Dataset[Any]) -> None:
+    def __init__(self, dataset: Dataset[Any], *, torch_too: bool) -> None:
         from torchrepro.data import _Deriver
 
         self.dataset = dataset
         self.derive = _Deriver(0, ("sample", 0), 3)
+        self.torch_too = torch_too
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -182,7 +186,8 @@ class BareSeeding(Dataset[Any]):
         samples = []
         for index, seed in zip(indices, self.derive.many(indices), strict=True):
             np_seed(seed >> 32)
-            torch_seed(seed)
+            if self.torch_too:
+                torch_seed(seed)
             samples.append(dataset[index])
         return samples
 
@@ -202,12 +207,21 @@ def main() -> None:
         f"batch {args.batch_size}, {args.repeats} repeats (median); num_workers 0: batches in "
         "lockstep, 2: whole passes in rotating order"
     )
-    header = ("num_workers", "DataLoader", "SeededLoader", "ratio", "CPU ratio", "CPU us/sample", "bare")
-    print("{:>11}  {:>14}  {:>14}  {:>6}  {:>9}  {:>15}  {:>5}".format(*header))
+    header = (
+        "num_workers",
+        "DataLoader",
+        "SeededLoader",
+        "ratio",
+        "CPU ratio",
+        "CPU us/sample",
+        "bare",
+        "np only",
+    )
+    print("{:>11}  {:>14}  {:>14}  {:>6}  {:>9}  {:>15}  {:>5}  {:>7}".format(*header))
     ratios = []
     for num_workers in (0, 2):
         extra: dict[str, Any] = {"persistent_workers": True} if num_workers else {}
-        plain, bare = (
+        plain, bare, np_only = (
             DataLoader(
                 source,
                 batch_size=args.batch_size,
@@ -216,12 +230,16 @@ def main() -> None:
                 generator=torch.Generator().manual_seed(0),
                 **extra,
             )
-            for source in (dataset, BareSeeding(dataset))
+            for source in (
+                dataset,
+                BareSeeding(dataset, torch_too=True),
+                BareSeeding(dataset, torch_too=False),
+            )
         )
         seeded = torchrepro.SeededLoader(
             dataset, batch_size=args.batch_size, seed=0, num_workers=num_workers, **extra
         )
-        loaders = [("plain", plain), ("seeded", seeded), ("bare", bare)]
+        loaders = [("plain", plain), ("seeded", seeded), ("bare", bare), ("np only", np_only)]
         for _, loader in loaders:
             one_pass(loader)  # warm up (start persistent workers, caches)
         if num_workers == 0:
@@ -242,14 +260,21 @@ def main() -> None:
         print(
             f"{num_workers:>11}  {wall['plain']:>10.0f} s/s  {wall['seeded']:>10.0f} s/s  {ratio:>6.3f}  "
             f"{cpu['seeded'] / cpu['plain']:>9.3f}  {plain_us:>6.1f} -> {seeded_us:>5.1f}  "
-            f"{wall['bare'] / wall['plain']:>5.3f}"
+            f"{wall['bare'] / wall['plain']:>5.3f}  {wall['np only'] / wall['plain']:>7.3f}"
         )
-        del plain, seeded, bare, loaders  # shut persistent workers down before the next configuration
+        del (
+            plain,
+            seeded,
+            bare,
+            np_only,
+            loaders,
+        )  # shut persistent workers down before the next configuration
     parts = ", ".join(f"{name} {us:.1f}" for name, us in cost.items())
     print(f"per-sample seeding cost in a hot loop (CPU us): {floor:.1f} as SeededLoader calls it ({parts})")
     print(
-        "bare: a DataLoader whose dataset only seeds NumPy and torch per sample (BareSeeding), over "
-        "DataLoader: the ceiling of per-sample seeding, measured between real samples"
+        "bare / np only: a DataLoader whose dataset only seeds NumPy and torch / NumPy alone per "
+        "sample (BareSeeding), over DataLoader: the ceilings of per-sample seeding, measured "
+        "between real samples"
     )
     saving = state_saving_cost_us()
     print(

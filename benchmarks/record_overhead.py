@@ -1,5 +1,6 @@
-"""Claim: recording a run (``torchrepro run``: a fingerprint of every batch and of the parameters
-after every optimizer step, appended to the events file) costs at most ~1.10x the plain loop.
+"""Claim: recording a run (``torchrepro run``: a fingerprint of every batch and of the gradients,
+optimizer state and parameters at every optimizer step, appended to the events file) costs at most
+~1.10x the plain training loop, and at most 1.05x the whole process.
 
 Run: ``python benchmarks/record_overhead.py [--samples 4096] [--repeats 3] [--workers 2]``.
 
@@ -15,7 +16,9 @@ the whole-process wall time, and their ratios. The machine may be shared: compar
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,12 +54,17 @@ def child(samples: int, workers: int, epochs: int, plain: bool) -> None:
     print(f"LOOP {time.perf_counter() - start:.6f} steps {epochs * len(loader)}")
 
 
-def measure(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+def measure(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float]:
+    """(training loop s, whole process wall s, whole process CPU s: the child and its DataLoader
+    workers, user + system; other processes on the machine disturb it less than wall time)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     loop = float(next(x for x in out.stdout.splitlines() if x.startswith("LOOP")).split()[1])
-    return loop, wall
+    return loop, wall, cpu
 
 
 def main() -> None:
@@ -64,7 +72,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads in both (default 1)")
     parser.add_argument("--child", choices=["plain", "recorded"], default=None)
     args = parser.parse_args()
@@ -72,7 +80,13 @@ def main() -> None:
         child(args.samples, args.workers, args.epochs, plain=args.child == "plain")
         return
 
+    import torchrepro
     from torchrepro.launch import child_env
+
+    # Byte-compile the package first, as installing it does: where PYTHONDONTWRITEBYTECODE is set
+    # (this machine) every process would otherwise compile the modules it imports, and the
+    # bootstrap imports more of them than the plain script.
+    compileall.compile_dir(os.path.dirname(torchrepro.__file__), quiet=1)
 
     me = str(Path(__file__).resolve())
     opts = ["--samples", str(args.samples), "--epochs", str(args.epochs), "--workers", str(args.workers)]
@@ -82,26 +96,32 @@ def main() -> None:
         plain_env["OMP_NUM_THREADS"] = plain_env["MKL_NUM_THREADS"] = str(args.threads)
         results: dict[str, list[tuple[float, float]]] = {"plain": [], "recorded": []}
         for r in range(args.repeats):
-            results["plain"].append(measure([sys.executable, me, *opts, "--child", "plain"], plain_env))
             rec_env = child_env(seed=0, mode="strict", threads=args.threads, record_dir=Path(tmp) / f"run{r}")
-            cmd = [sys.executable, "-m", "torchrepro._child.bootstrap", me, *opts, "--child", "recorded"]
-            results["recorded"].append(measure(cmd, rec_env))
+            runs = [
+                ("plain", [sys.executable, me, *opts, "--child", "plain"], plain_env),
+                (
+                    "recorded",
+                    [sys.executable, "-m", "torchrepro._child.bootstrap", me, *opts, "--child", "recorded"],
+                    rec_env,
+                ),
+            ]
+            for name, cmd, env in runs if r % 2 == 0 else runs[::-1]:  # either goes first as often
+                results[name].append(measure(cmd, env))
     steps = args.epochs * -(-args.samples // 32)
     print(
         f"digits CNN, {steps} optimizer steps, batch 32, {args.workers} workers, {args.threads} thread(s), "
-        f"{args.repeats} repeats (median)"
+        f"{args.repeats} repeats in alternating order (median)"
     )
-    base_loop = statistics.median(x[0] for x in results["plain"])
-    base_wall = statistics.median(x[1] for x in results["plain"])
+    base = [statistics.median(x[i] for x in results["plain"]) for i in range(3)]
     for name, rows in results.items():
-        loop = statistics.median(x[0] for x in rows)
-        wall = statistics.median(x[1] for x in rows)
+        loop, wall, cpu = (statistics.median(x[i] for x in rows) for i in range(3))
         print(
             f"{name:>9}: loop {loop:7.3f} s ({1000 * loop / steps:6.2f} ms/step) "
-            f"ratio {loop / base_loop:5.3f}x"
-            f" | process {wall:7.3f} s ratio {wall / base_wall:5.3f}x"
+            f"ratio {loop / base[0]:5.3f}x"
+            f" | process {wall:7.3f} s ratio {wall / base[1]:5.3f}x"
+            f" | process CPU {cpu:7.3f} s ratio {cpu / base[2]:5.3f}x"
         )
-    print("target: recorded/plain loop ratio <= 1.10x")
+    print("targets: recorded/plain loop <= 1.10x; whole process (what a user waits for) <= 1.05x")
 
 
 if __name__ == "__main__":
