@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,12 @@ def wait_for(child: Child, marker: str, count: int = 1, timeout: float = 120.0) 
     raise AssertionError(f"timed out waiting for {marker!r}:\n{child.text()}")
 
 
+def started_at(child: Child) -> int:
+    """The step the child's log says its training started from (0 when it says none yet)."""
+    found = re.search(r"training from step (\d+)", child.text())
+    return int(found.group(1)) if found else 0
+
+
 def assert_no_torn_checkpoint_is_picked(ckpt: Path) -> None:
     """latest_checkpoint returns a complete file (torn temp files are never candidates)."""
     if not ckpt.is_dir():
@@ -226,7 +233,10 @@ def test_sigkill_at_random_moments_then_resume_matches(
                 time.sleep(rng.uniform(0.0, 0.1))
             else:
                 alive = wait_for(child, "training from step")
-                time.sleep(rng.uniform(0.0, reference.train_seconds))
+                # Within the training left: a resumed run has fewer steps to go than the reference,
+                # and a kill drawn past its end would land on a finished process (no kill at all).
+                left = (STEPS - started_at(child)) / STEPS
+                time.sleep(rng.uniform(0.0, 0.9 * left * reference.train_seconds))
             os.kill(child.pid, signal.SIGKILL)
             code = zygote.wait(child)
             if code == 0:  # it finished before the kill landed: nothing to resume
