@@ -12,8 +12,10 @@ Invariants:
   interpreter, another NumPy, a patched module), the library's own API is used.
 - A raw state is only written back into the object it was read from; a state saved from an
   object that was replaced meanwhile goes back through the API, values intact.
-- ``token`` changes whenever the RNG is drawn from or seeded (position, first and last word of
-  the state, plus the gaussian caches), at a fraction of a full save.
+- ``token`` (position, first and last word of the state; Python's also its cached gaussian)
+  changes whenever the RNG is seeded or its state is drawn from, at a fraction of a full save.
+  NumPy's cached gaussian is left out: a seed clears it, so the first draw after one moves the
+  state.
 """
 
 from __future__ import annotations
