@@ -147,6 +147,9 @@ def test_relaunch_under_torchrun_reexecs_each_rank_in_place(tmp_path: Path) -> N
         "import torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
         "print('ready', os.getpid(), os.environ['PYTHONHASHSEED'], dist.get_rank(), file=log, flush=True)\n"
+        # both ranks finish connecting before either leaves (a rank that exits right after its own
+        # init can close the connection the other is still completing, under load)
+        "dist.barrier()\n"
         "dist.destroy_process_group()\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "TORCHREPRO_RELAUNCHED")}
