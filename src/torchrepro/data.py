@@ -86,7 +86,7 @@ class _Deriver:
         return int.from_bytes(h.digest(), "little")
 
     def one(self, key: int) -> int:
-        """``self(key)`` for one int key: ``_encode_key`` inlined."""
+        """``self(key)`` for one int key (through ``many``)."""
         return self.many((key,))[0]
 
     def many(self, keys: Iterable[int]) -> list[int]:

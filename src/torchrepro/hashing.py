@@ -116,12 +116,16 @@ def fingerprint(obj: Any) -> str:
 _BLAKE = hashlib.blake2b(digest_size=_DIGEST_BYTES, person=b"torchrepro")  # copied: 3x cheaper than new
 
 
-def _blake(*parts: bytes) -> bytes:
-    h = _BLAKE.copy()
+def _absorb(h: hashlib.blake2b, *parts: bytes) -> hashlib.blake2b:
+    """``h`` after each part, preceded by its length (the encoding of every digest here)."""
     for p in parts:
         h.update(len(p).to_bytes(8, "little"))
         h.update(p)
-    return h.digest()
+    return h
+
+
+def _blake(*parts: bytes) -> bytes:
+    return _absorb(_BLAKE.copy(), *parts).digest()
 
 
 def fingerprint_texts(head: str, texts: Sequence[str]) -> str:
@@ -243,8 +247,8 @@ def _header(kind: bytes, dtype: str, shape: tuple[int, ...]) -> bytes:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-_SMALL_HEADS: dict[tuple[torch.dtype, tuple[int, ...]], Any] = {}
-"""(dtype, shape) -> the hash state of ``_blake(header, b"small", <32 bytes>)`` before those 32 bytes."""
+_SMALL_HEADS: dict[tuple[torch.dtype, tuple[int, ...]], hashlib.blake2b] = {}
+"""(dtype, shape) -> the hash state of ``_blake(header, b"small", sha256)`` before the SHA-256."""
 
 
 def _small_digest(t: torch.Tensor) -> bytes | None:
@@ -266,15 +270,9 @@ def _small_digest(t: torch.Tensor) -> bytes | None:
     if head is None:
         if len(_SMALL_HEADS) >= 4096:  # shapes that keep changing: bounded, rebuilt on demand
             _SMALL_HEADS.clear()
-        head = _BLAKE.copy()
-        for part in (_header(b"tensor", str(t.dtype), tuple(t.shape)), b"small"):
-            head.update(len(part).to_bytes(8, "little"))
-            head.update(part)
-        head.update((32).to_bytes(8, "little"))  # the length of the SHA-256 that follows
+        head = _absorb(_BLAKE.copy(), _header(b"tensor", str(t.dtype), tuple(t.shape)), b"small")
         _SMALL_HEADS[key] = head
-    h = head.copy()
-    h.update(hashlib.sha256(ctypes.string_at(t.data_ptr(), n) if n else b"").digest())
-    return h.digest()
+    return _absorb(head.copy(), hashlib.sha256(_host_bytes(t)).digest()).digest()
 
 
 def _tensor_digest(t: torch.Tensor, path: str) -> bytes:
@@ -386,7 +384,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 def _host_bytes(t: torch.Tensor) -> bytes:
-    """A copy of the bytes of a small 1-D, stride-1 CPU tensor."""
+    """A copy of the bytes of a small contiguous CPU tensor."""
     n = t.numel() * t.element_size()
     return ctypes.string_at(t.data_ptr(), n) if n else b""
 

@@ -26,6 +26,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 import torch
@@ -50,16 +51,17 @@ def paused() -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if pause is None else pause()
 
 
-def _fingerprint(obj: Any) -> str:
-    global _fingerprint_fn
-    if _fingerprint_fn is None:
-        from torchrepro.hashing import fingerprint
+def _hashing() -> ModuleType:
+    """``torchrepro.hashing``, imported at the first event (not when ``record`` is imported)."""
+    global _hashing_module
+    if _hashing_module is None:
+        from torchrepro import hashing
 
-        _fingerprint_fn = fingerprint
-    return _fingerprint_fn(obj)
+        _hashing_module = hashing
+    return _hashing_module
 
 
-_fingerprint_fn: Callable[[Any], str] | None = None  # hashing is imported at the first event
+_hashing_module: ModuleType | None = None
 
 
 def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str = "", depth: int = 0) -> Any:
@@ -116,7 +118,7 @@ def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    entry: dict[str, Any] = {"fp": _fingerprint(t), "dtype": name, "shape": list(t.shape)}
+    entry: dict[str, Any] = {"fp": _hashing().fingerprint(t), "dtype": name, "shape": list(t.shape)}
     if 0 < t.numel() <= values_max and not t.is_complex() and t.layout == torch.strided:
         flat = t.detach().reshape(-1)
         # Floating values become Python floats exactly as through float64; others are converted.
@@ -139,9 +141,7 @@ def _digest(obj: Any, values_max: int, *, named: bool = False) -> tuple[str, lis
     else:
         skeleton = _flatten(obj, leaves, names)
     entries = [_leaf_entry(t, values_max) for t in leaves]
-    from torchrepro.hashing import fingerprint_texts
-
-    fp = fingerprint_texts(json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries])
+    fp = _hashing().fingerprint_texts(json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries])
     for entry, name in zip(entries, names, strict=True):
         if name:
             entry["n"] = name
