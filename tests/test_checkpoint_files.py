@@ -375,13 +375,19 @@ def test_max_expanded_bytes_is_the_limit(tmp_path: Path) -> None:
 
 
 def _flip_clock_bit(path: Path) -> None:
-    """Flip one bit of the pickled ``saved_at_ns`` (it grows by 2**48 ns, about 3 days)."""
+    """Flip one bit of the pickled ``saved_at_ns`` so that the clock grows, on any date.
+
+    The bit is the lowest 0 bit from bit 44 up (2**44 ns is about 5 hours): setting a 0 bit makes the
+    value larger whatever the date, where flipping a fixed bit makes it smaller while that bit is 1.
+    """
     saved_at = torch.load(path, weights_only=True)["meta"]["saved_at_ns"]
+    bit = next(b for b in range(44, 62) if not saved_at >> b & 1)
     data = bytearray(path.read_bytes())
     needle = b"\x8a\x08" + saved_at.to_bytes(8, "little", signed=True)  # pickle LONG1, 8 bytes
     assert data.count(needle) == 1
-    data[data.index(needle) + 2 + 6] ^= 0x01
+    data[data.index(needle) + 2 + bit // 8] ^= 1 << bit % 8
     path.write_bytes(bytes(data))
+    assert torch.load(path, weights_only=True)["meta"]["saved_at_ns"] == saved_at | 1 << bit
 
 
 def test_a_flipped_bit_in_the_save_clock_does_not_reorder_checkpoints(tmp_path: Path) -> None:
