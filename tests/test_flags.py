@@ -16,9 +16,8 @@ import pytest
 import torch
 
 import torchrepro
-from torchrepro import DeterminismError, DeterminismFlags, ReproWarning, set_determinism, status
+from torchrepro import DeterminismError, DeterminismFlags, ReproWarning, _runtime, set_determinism, status
 from torchrepro import errors as errors_module
-from torchrepro import flags as flags_module
 from torchrepro.flags import CUBLAS_VAR
 from torchrepro.seeding import current_seed
 
@@ -122,7 +121,7 @@ def test_invalid_cublas_value_warns_in_warn_mode(
 
 def test_cuda_started_without_cublas_var(saved: DeterminismFlags, monkeypatch: pytest.MonkeyPatch) -> None:
     # A CPU machine cannot start CUDA; pretend it has started (only torchrepro's own check is patched).
-    monkeypatch.setattr(flags_module, "_cuda_started", lambda: True)
+    monkeypatch.setattr(_runtime, "cuda_started", lambda: True)
     before = DeterminismFlags.capture()
     with pytest.raises(DeterminismError, match=r"CUDA is already initialised.*before the process starts"):
         set_determinism("strict")

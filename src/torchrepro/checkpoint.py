@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrepro import _io, hashing
+from torchrepro._runtime import process_group
 from torchrepro.errors import CheckpointError, CheckpointWriteError, ReproError, ReproWarning, warn_once
 from torchrepro.flags import DeterminismFlags
 from torchrepro.hashing import fingerprint
@@ -241,14 +242,6 @@ def _refuse(obj: Any, name: str, key: str, what: str) -> None:
 # --------------------------------------------------------------------------- environment
 
 
-def _distributed() -> tuple[int, int]:
-    """``(rank, world_size)``; ``(0, 1)`` outside an initialised process group."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _determinism_switches() -> dict[str, Any]:
     flags = DeterminismFlags.capture()
     return {
@@ -363,7 +356,7 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
         )
     if not objects:
         raise ValueError("save_checkpoint needs at least one object, e.g. save_checkpoint(path, model=model)")
-    rank, world_size = _distributed()
+    rank, world_size = process_group()
 
     entries: dict[str, dict[str, Any]] = {}
     generators: dict[str, Any] = {}
@@ -979,7 +972,7 @@ def load_checkpoint(
     # fsync that already failed is raised here.
     _wait_pending(block=False)
     base = Path(path)
-    rank, world_size = _distributed()
+    rank, world_size = process_group()
     file = _rank_path(base, rank)
     if rank > 0 and not file.exists() and base.exists():
         raise CheckpointError(
@@ -1212,7 +1205,7 @@ def latest_checkpoint(
         files = sorted(root.iterdir())
     except OSError as e:
         raise CheckpointError(f"Checkpoint directory {root} cannot be listed: {_read_failure(e)}") from None
-    rank, _ = _distributed()
+    rank, _ = process_group()
     headers: list[tuple[tuple[int, int, str], Path]] = []
     for file in files:
         if not _looks_like_checkpoint(file):

@@ -33,12 +33,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import numpy_or_none, require_numpy
 from torchrepro._rawrng import _numpy_mt, _python_mt
+from torchrepro._runtime import process_group
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
 from torchrepro.seeding import (
     _PERSON,
@@ -241,15 +241,6 @@ def _is_key(key: object) -> bool:
     return type(key) is tuple and len(key) == 4 and key[3] == _KEY_MARK
 
 
-def _current_shard(fixed: tuple[int, int] | None) -> tuple[int, int]:
-    """``(rank, world_size)``: the fixed ones, else torch.distributed's now, else ``(0, 1)``."""
-    if fixed is not None:
-        return fixed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class _SeededSampler(DistributedSampler[_SampleKey]):
     """Yields the sample keys of this rank's shard of one epoch, and holds the position.
 
@@ -297,11 +288,11 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
     # DistributedSampler's attributes, read now (they follow the process group).
     @property
     def rank(self) -> int:  # type: ignore[override]
-        return _current_shard(self.fixed_shard)[0]
+        return process_group(self.fixed_shard)[0]
 
     @property
     def num_replicas(self) -> int:  # type: ignore[override]
-        return _current_shard(self.fixed_shard)[1]
+        return process_group(self.fixed_shard)[1]
 
     def _sizes(self, world_size: int) -> tuple[int, int]:
         """``(num_samples, total_size)`` for ``world_size`` ranks."""
@@ -334,7 +325,7 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
     def shard(self, epoch: int, rank: int | None = None, world_size: int | None = None) -> list[int]:
         """The dataset indices ``rank`` loads in epoch ``epoch``, in order (default: this rank)."""
         if rank is None or world_size is None:
-            rank, world_size = _current_shard(self.fixed_shard)
+            rank, world_size = process_group(self.fixed_shard)
         indices = self.order(epoch)
         if world_size == 1:
             return indices
@@ -979,7 +970,7 @@ class SeededLoader(DataLoader[Any]):
         workers prefetched but did not deliver are not counted).
         """
         sampler = self._seeded_sampler
-        rank, world_size = _current_shard(sampler.fixed_shard)
+        rank, world_size = process_group(sampler.fixed_shard)
         return {
             "version": STATE_VERSION,
             "seed": self._seed,

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from torchrepro import seeding
+from torchrepro import _runtime, seeding
 from torchrepro._compat import lazy_import
 from torchrepro.errors import DeterminismError, ReproWarning, warn_once
 from torchrepro.seeding import seed_everything, validate_seed
@@ -116,10 +116,6 @@ def _fill_uninitialized_memory() -> bool:
 
 def _set_fill_uninitialized_memory(value: bool) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = value  # type: ignore[attr-defined]
-
-
-def _cuda_started() -> bool:
-    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -289,7 +285,7 @@ def _plan_cublas(mode: str, current: str | None) -> str | None:
             raise DeterminismError(message)
         warn_once(f"cublas-invalid:{current}", message, ReproWarning, stacklevel=3)
         return None
-    if _cuda_started():
+    if _runtime.cuda_started():
         message = (
             f"CUDA is already initialised and {CUBLAS_VAR} was not set, so cuBLAS may already use a "
             f"nondeterministic workspace: {_cublas_fix()}."
@@ -495,7 +491,7 @@ def _process_items(cublas: str | None) -> list[StatusItem]:
     threads_pinned = _env_int("OMP_NUM_THREADS") == threads
     capability = str(torch.backends.cpu.get_cpu_capability())
     aten_isa = os.environ.get("ATEN_CPU_CAPABILITY")
-    cuda_started = _cuda_started()
+    cuda_started = _runtime.cuda_started()
     cuda_ok = not cuda_started or cublas in CUBLAS_CONFIGS
     return [
         StatusItem(

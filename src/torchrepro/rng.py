@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from torchrepro import _runtime
 from torchrepro._compat import numpy_or_none
 from torchrepro.errors import ReproWarning, RngStateError, warn_once
 from torchrepro.seeding import seed_streams, validate_seed
@@ -168,11 +169,6 @@ def _check_numpy_state(where: str, kind: str, value: object, np: Any) -> Any:
     return decoded
 
 
-def _cuda_started() -> bool:
-    """Whether CUDA is initialised in this process (asking never initialises it)."""
-    return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
-
-
 def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -208,7 +204,7 @@ class RngState:
         gens = _check_generator_mapping(generators)
         np = numpy_or_none()
         cuda: dict[int, torch.Tensor] = {}
-        if _cuda_started():  # never start CUDA just to read its state
+        if _runtime.cuda_started():  # never start CUDA just to read its state
             cuda = {i: torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())}
         return cls(
             python=random.getstate(),
@@ -401,7 +397,7 @@ def _isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
     ``torch.manual_seed``, which is ``torch.initial_seed()``). If the block seeded torch or
     started CUDA, that pending seed is put back on exit.
     """
-    cuda_started = _cuda_started()
+    cuda_started = _runtime.cuda_started()
     pending_cuda_seed = torch.initial_seed()
     state = RngState.capture(generators=generators)
     try:
@@ -409,7 +405,7 @@ def _isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
     finally:
         reseeded = torch.initial_seed() != pending_cuda_seed
         state.restore(generators=generators)
-        if not cuda_started and _cuda_started():
+        if not cuda_started and _runtime.cuda_started():
             warn_once(
                 "rng-cuda-started-inside",
                 "CUDA was initialised inside a torchrepro RNG block, so its streams were reset to "

@@ -39,15 +39,12 @@ from torchrepro._child.children import RankClaim
 from torchrepro._child.hooks import SettingsProbe, install_hooks, install_world_hook, worker_mapping
 from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
 from torchrepro._child.training import FINAL_KEY, BackwardSteps
+from torchrepro._runtime import env_rank
 from torchrepro.recorder import Recorder
 
 
 class _MaxStepsReached(SystemExit):
     """Raised from the optimizer hook after ``max_steps`` optimizer steps: a clean exit 0."""
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0") or 0)
 
 
 def _usage() -> SystemExit:
@@ -87,7 +84,7 @@ class _Session:
             kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
             self.claim = RankClaim(spec.record_dir, main=main)
             self.recorder = Recorder(None, claim=self.claim.open, **kwargs)
-            if main and _rank() == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            if main and (env_rank() or 0) == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
                 _write_env(spec.record_dir, script)
 
     @property
@@ -95,7 +92,7 @@ class _Session:
         """The rank this process records as (None: a child with no rank of its own, or none yet)."""
         if self.claim is not None and self.claim.rank is not None:
             return self.claim.rank
-        return _rank() if self.main else None
+        return (env_rank() or 0) if self.main else None
 
     def on_join(self, rank: int, world_size: int) -> None:
         if self.spec.record_dir:

@@ -30,30 +30,17 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from torchrepro._child.spec import in_run, mark_rank, parent_rank
+from torchrepro._runtime import env_rank
 
 if TYPE_CHECKING:  # this module loads in every python of a run: only what it needs at start-up
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
     from typing import IO
 
-__all__ = ["RankClaim", "adopt", "env_rank"]
+__all__ = ["RankClaim", "adopt"]
 
 _WORKER_MODULE = "torch.utils.data._utils.worker"
 """The module of the DataLoader worker loop (a ``Process`` target that must not be configured)."""
-
-
-def env_rank(environ: Mapping[str, str] | None = None) -> str | None:
-    """The rank the environment names: ``RANK``, else ``LOCAL_RANK`` on node 0 (Lightning's
-    subprocess launcher sets only ``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE``)."""
-    env = os.environ if environ is None else environ
-    rank = env.get("RANK", "")
-    if rank.isdigit():
-        return str(int(rank))
-    local = env.get("LOCAL_RANK", "")
-    node = env.get("NODE_RANK", env.get("GROUP_RANK", "0"))
-    if local.isdigit() and node in ("", "0"):
-        return str(int(local))
-    return None
 
 
 class RankClaim:
@@ -69,8 +56,8 @@ class RankClaim:
         self.main = main
         self.rank: int | None = None
         start = env_rank()
-        own = main or start != parent_rank()
-        self._env_rank = int(start) if start is not None and own else None
+        own = main or (None if start is None else str(start)) != parent_rank()
+        self._env_rank = start if own else None
         mark_rank(str(self._env_rank if self._env_rank is not None else (0 if main else "")))
 
     def _resolve(self) -> tuple[int | None, str]:

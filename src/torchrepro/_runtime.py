@@ -1,0 +1,48 @@
+"""What the running process has started, asked in one place: CUDA, a process group, its rank.
+
+Invariants:
+- Asking never starts anything: ``cuda_started`` never initialises CUDA, ``process_group`` never
+  imports ``torch.distributed`` when the process has not (it cannot have a group then), and this
+  module imports nothing but the standard library at its top, so torch-free parts (the children's
+  ``sitecustomize``) may use ``env_rank``.
+- A process's rank and world size are the initialised process group's, else ``(0, 1)``; the rank
+  an environment names (``env_rank``) is a different fact, used before a group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+__all__ = ["cuda_started", "env_rank", "process_group"]
+
+
+def cuda_started() -> bool:
+    """Whether CUDA is initialised in this process (asking never initialises it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def process_group(fixed: tuple[int, int] | None = None) -> tuple[int, int]:
+    """``(rank, world_size)``: ``fixed`` when given, else the initialised process group's, else ``(0, 1)``."""
+    if fixed is not None:
+        return fixed
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
+
+
+def env_rank(environ: Mapping[str, str] | None = None) -> int | None:
+    """The rank the environment names: ``RANK``, else ``LOCAL_RANK`` on node 0 (Lightning's
+    subprocess launcher sets only ``LOCAL_RANK``, ``NODE_RANK`` and ``WORLD_SIZE``); None: none."""
+    env = os.environ if environ is None else environ
+    rank = env.get("RANK", "")
+    if rank.isdigit():
+        return int(rank)
+    local = env.get("LOCAL_RANK", "")
+    node = env.get("NODE_RANK", env.get("GROUP_RANK", "0"))
+    if local.isdigit() and node in ("", "0"):
+        return int(local)
+    return None
