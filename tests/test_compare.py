@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from torchrepro.compare import (
     Comparison,
@@ -23,10 +21,8 @@ from torchrepro.compare import (
     _pick_source,
     compare_runs,
     coverage,
-    earliest,
     first_divergence,
     locate_in_traces,
-    optimizer_index,
     steps_compared,
     tensor_difference,
 )
@@ -158,14 +154,6 @@ def test_steps_compared_counts_compute_steps_reached() -> None:
     assert steps_compared([]) == 0
 
 
-def test_earliest_is_smallest_step_then_rank() -> None:
-    ds = [Divergence(step=3, rank=0, kind="compute"), Divergence(step=2, rank=1, kind="data")]
-    assert earliest(ds) == ds[1]
-    ds.append(Divergence(step=2, rank=0, kind="compute"))
-    assert earliest(ds) == ds[2]
-    assert earliest([]) is None
-
-
 def test_divergence_to_dict_is_the_verdict_shape() -> None:
     d = Divergence(step=2, rank=1, kind="compute", op="aten.mm", key="optimizer0", index=7)
     assert d.to_dict() == {
@@ -236,19 +224,6 @@ def test_equal_infinities_are_no_difference() -> None:
     a = with_leaves(leaf("a", [math.inf, 1.0]))
     b = with_leaves(leaf("b", [math.inf, 3.0]))
     assert tensor_difference(a, b).max_abs_diff == 2.0  # type: ignore[union-attr]
-
-
-# --- optimizer_index ------------------------------------------------------------------------------
-
-
-@given(st.integers(0, 10**6))
-def test_optimizer_index_of_an_optimizer_key(n: int) -> None:
-    assert optimizer_index(f"optimizer{n}") == n
-
-
-@pytest.mark.parametrize("key", [None, "", "optimizer", "loader3", "optimizer-1", "optimizer1a", "loss"])
-def test_optimizer_index_of_anything_else_is_zero(key: str | None) -> None:
-    assert optimizer_index(key) == 0
 
 
 # --- compare_runs on hand-made records ------------------------------------------------------------

@@ -19,7 +19,6 @@ from torchrepro.errors import EnvFileError, ReproError
 from torchrepro.runrecord import (
     COMMAND_FILE,
     ENV_FILE,
-    EVENT_KINDS,
     SETTINGS_FILE,
     VERDICT_FILE,
     EventTail,
@@ -402,12 +401,6 @@ def test_well_formed_events_in_all_their_forms_are_read(tmp_path: Path) -> None:
     tail = EventTail(path)
     assert tail.poll() == len(events)
     assert json.dumps(tail.events) == json.dumps(events)
-
-
-def test_runrecord_knows_the_kinds_the_recorder_writes() -> None:
-    from torchrepro.recorder import EVENT_KINDS as RECORDED
-
-    assert EVENT_KINDS is RECORDED  # one owner: the recorder takes them from runrecord
 
 
 def test_event_tail_recovers_when_a_malformed_file_is_rewritten(tmp_path: Path) -> None:

@@ -36,10 +36,10 @@ from torchrepro.compare import (
     RankCursor,
     coverage,
     locate_in_traces,
-    optimizer_index,
     steps_compared,
 )
 from torchrepro.errors import ReproError, SettingsError
+from torchrepro.events import in_order, is_step, optimizer_index
 from torchrepro.launch import (
     build_command,
     check_target,
@@ -172,9 +172,9 @@ class _Run:
         if not self.tails:
             return 0
         events = self.tails[0].events
-        optimizer = sum(1 for e in events if e["kind"] == "compute" and e["key"] == "optimizer0")
+        optimizer = sum(1 for e in events if is_step(e["kind"], e["key"]))
         # steps no optimizer sees: two events each (gradients, then the parameters after the update)
-        return optimizer or sum(1 for e in events if e["kind"] == "compute" and e["key"] == "backward") // 2
+        return optimizer or sum(1 for e in events if is_step(e["kind"], e["key"], backward=True)) // 2
 
     def stderr_tail(self, lines: int = 25) -> str:
         try:
@@ -351,14 +351,7 @@ def _watch(
         d = cursor.advance()
         if d is not None and (i, r) not in found:
             found[(i, r)] = d
-    # "first in run order": the earliest step; at one step the event a rank meets first (its batch
-    # and recorded values before the optimizer step that all-reduced gradients spread to every
-    # rank); then the earlier run, then the lower rank
-    order = {"init": 0, "data": 1, "record": 2, "compute": 3}
-    divergences = sorted(
-        ((i, d) for (i, _), d in found.items()),
-        key=lambda x: (x[1].step, order.get(x[1].kind, 3), x[0], x[1].rank),
-    )
+    divergences = in_order([(i, d) for (i, _), d in found.items()])  # the one rule compare uses too
     return divergences, list(cursors.values()), failed
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torchrepro
+from torchrepro.events import BACKWARD_KEY, describe_name, is_step
 
 if TYPE_CHECKING:
     from torchrepro.audit import AuditReport
@@ -288,9 +289,9 @@ def _render_divergence(divergence: Divergence) -> str:
     step = f"batch {d.step}" if d.kind == "data" else f"step {d.step}"
     where = f"{d.kind} at {step}" + (f", rank {d.rank}" if d.rank else "")
     of = {"data": f"of {d.key}", "record": f"of record {d.key!r}"}.get(d.kind, f"of {d.key}")
-    if d.key == "backward":
+    if d.key == BACKWARD_KEY:
         where += " (parameters at the first backward())" if d.kind == "init" else " (a backward() step)"
-    elif d.key and not (d.kind == "compute" and d.key == "optimizer0"):
+    elif d.key and not is_step(d.kind, d.key):
         where += f" ({of})" if d.kind != "init" else f" (parameters given to {d.key})"
     extra = []
     what = d.what()
@@ -374,7 +375,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_compare(args: argparse.Namespace) -> int:
     import json
 
-    from torchrepro.compare import compare_runs, describe_name
+    from torchrepro.compare import compare_runs
 
     result = compare_runs(args.run_a, args.run_b)
     data = result.to_dict()

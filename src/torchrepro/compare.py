@@ -4,10 +4,11 @@ Invariants:
 - Two runs agree at an event iff their events at the same position on the same rank have the
   same ``kind``, ``key``, ``step`` and fingerprint; the first divergence of a rank is the first
   position where they do not (a missing event where the other run has one counts).
-- Across ranks the reported divergence is the earliest by (step, rank) among the ranks' first
-  divergences; its ``kind`` is that of the first run's event at that position, unless the two
-  runs did different things there (another kind or key) and the second run's event has the
-  earlier step: then the divergence is that event's.
+- Across ranks the reported divergence is the earliest among the ranks' first divergences by the
+  one rule ``events.divergence_order``, which ``check`` uses too; its ``kind`` is that of the
+  first run's event at that position, unless the two runs did different things there (another
+  kind or key) and the second run's event has the earlier step: then the divergence is that
+  event's.
 - Records are read through ``runrecord`` (incrementally for live files: ``EventTail``).
 - The first differing tensor's largest absolute difference counts equal values (equal
   infinities, NaN in both runs) as no difference; NaN or an infinity against another value is
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchrepro.errors import EnvFileError, ReproError
+from torchrepro.events import FINAL_KEY, counted_kind, describe_name, earliest, optimizer_index
 from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json
 
 __all__ = [
@@ -88,23 +90,6 @@ class Divergence:
         return describe_name(self.name, self.kind) + typed
 
 
-def describe_name(name: str, kind: str) -> str:
-    """A recorded tensor name in words (see ``_child.training`` for the names)."""
-    part, _, rest = name.partition(":")
-    if part == "grad" and rest:
-        return f"gradient of {rest}"
-    if part == "param" and rest:
-        return f"parameter {rest}"
-    if part == "final" and rest:
-        return f"final value of {rest}"
-    if part == "state" and rest:
-        param, _, key = rest.rpartition(":")
-        return f"optimizer state {key!r} of {param}"
-    if kind == "data":
-        return f"batch field {name}" if name else "the batch"
-    return name or "the value"
-
-
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return bool(
         a["kind"] == b["kind"] and a["key"] == b["key"] and a["step"] == b["step"] and a["fp"] == b["fp"]
@@ -132,7 +117,7 @@ class RankCursor:
             has_a, has_b = i < len(self.a), i < len(self.b)
             if has_a and has_b:
                 ea, eb = self.a[i], self.b[i]
-                counted = _counted_kind(ea)
+                counted = counted_kind(ea["kind"], ea["key"])
                 self.compared[counted] = self.compared.get(counted, 0) + 1
                 if counted == "compute":
                     self.max_step_compared = max(self.max_step_compared, ea["step"])
@@ -147,15 +132,6 @@ class RankCursor:
             else:
                 break
         return self.divergence
-
-
-FINAL_KEY = "final"
-"""The key of the ``compute`` event of the state at exit (``_child.training.FINAL_KEY``)."""
-
-
-def _counted_kind(event: dict[str, Any]) -> str:
-    """The kind an event counts as in the coverage: the state at exit is ``final``, not a step."""
-    return "final" if event["kind"] == "compute" and event["key"] == FINAL_KEY else str(event["kind"])
 
 
 def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, index: int) -> Divergence:
@@ -194,11 +170,6 @@ def _first_differing_leaf(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any
     if len(ta) > len(tb):
         return dict(ta[len(tb)])
     return None
-
-
-def earliest(divergences: list[Divergence]) -> Divergence | None:
-    """The divergence reported across ranks: smallest (step, rank)."""
-    return min(divergences, key=lambda d: (d.step, d.rank), default=None)
 
 
 def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: int = 0) -> Divergence | None:
@@ -404,7 +375,7 @@ class Coverage:
         return tuple(
             r
             for r in self.ranks_expected
-            if not any(n for kind, n in self.per_rank.get(r, {}).items() if kind not in ("init", "final"))
+            if not any(n for kind, n in self.per_rank.get(r, {}).items() if kind not in ("init", FINAL_KEY))
         )
 
     @property
@@ -428,7 +399,7 @@ class Coverage:
         """One line for people: what was compared, and what was not."""
         counts = self.per_kind
         parts = [f"{counts.get(kind, 0)} {kind}" for kind in ("init", "data", "compute", "record")]
-        if counts.get("final"):
+        if counts.get(FINAL_KEY):
             parts.append(f"{counts['final']} final")
         text = "events compared: " + ", ".join(parts)
         if len(self.ranks_expected) > 1:
@@ -527,16 +498,6 @@ def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
         except EnvFileError as exc:
             return [], [f"environments not compared: {where} is malformed: {exc}"]
     return list(diff_env(envs[0], envs[1])), []
-
-
-def optimizer_index(key: str | None) -> int:
-    """The optimizer an event key names (``optimizer2`` -> 2; ``backward`` -> -1, steps counted
-    by ``backward()``; anything else -> 0): the child's ``trace_optimizer``."""
-    if key and key.startswith("optimizer") and key[len("optimizer") :].isdigit():
-        return int(key[len("optimizer") :])
-    if key == "backward":
-        return -1
-    return 0
 
 
 def _traced_optimizer(run: RunRecord) -> int:

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import torch
 
-from torchrepro.runrecord import EVENT_KINDS
+from torchrepro.events import EVENT_KINDS
 
 __all__ = ["EVENT_KINDS", "Recorder", "activate", "active_recorder", "record"]
 

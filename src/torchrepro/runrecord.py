@@ -44,11 +44,11 @@ from typing import Any
 
 from torchrepro._io import atomic_write_json
 from torchrepro.errors import EnvFileError, LaunchError, SettingsError
+from torchrepro.events import EVENT_KINDS
 
 __all__ = [
     "COMMAND_FILE",
     "ENV_FILE",
-    "EVENT_KINDS",
     "LOCK_FILE",
     "MAX_JSON_DEPTH",
     "SETTINGS_FILE",
@@ -92,9 +92,6 @@ TRACE_PREFIX = "trace-step"
 """Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>``."""
 LOCK_FILE = ".torchrepro-lock"
 """Held (``flock``) by the run writing a record directory; ignored when a directory is checked."""
-
-EVENT_KINDS = ("init", "data", "compute", "record")
-"""The kinds of events an events file may hold (what ``recorder.Recorder`` writes)."""
 
 MAX_JSON_DEPTH = 100
 """The deepest nesting of arrays and objects a record or environment file may hold (torchrepro

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 from checkrun import check
 
+from torchrepro.compare import compare_runs
+
 SCRIPTS = Path(__file__).resolve().parent / "child_scripts"
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -47,6 +49,12 @@ def test_unseeded_randomness_on_a_script_started_rank_is_reported_on_that_rank(
     assert verdict["reproducible"] is False
     first = verdict["first_divergence"]
     assert (first["rank"], first["kind"], first["step"]) == (1, "data", 0), first
+    # `compare` on the check's own two records names the same event (one ordering rule): rank 0's
+    # optimizer step 0, which the all-reduced gradients changed too, is not the first divergence
+    run_a, run_b = sorted(tmp_path.glob(".torchrepro/checks/*/run*"))
+    compared = compare_runs(run_a, run_b).first_divergence
+    assert compared is not None
+    assert (compared.rank, compared.kind, compared.step) == (1, "data", 0), compared
 
 
 def test_a_child_without_a_rank_of_its_own_makes_the_check_inconclusive(tmp_path: Path) -> None:

@@ -38,8 +38,9 @@ from torchrepro import runrecord
 from torchrepro._child.children import RankClaim
 from torchrepro._child.hooks import SettingsProbe, install_hooks, install_world_hook, worker_mapping
 from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
-from torchrepro._child.training import FINAL_KEY, BackwardSteps
+from torchrepro._child.training import BackwardSteps
 from torchrepro._runtime import env_rank
+from torchrepro.events import FINAL_KEY
 from torchrepro.recorder import Recorder
 
 

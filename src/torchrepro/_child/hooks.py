@@ -45,6 +45,7 @@ import torch
 from torchrepro import recorder as _recorder
 from torchrepro._child.training import BackwardSteps, ParamNames, optimizer_items
 from torchrepro._io import atomic_write_json
+from torchrepro.events import optimizer_key
 from torchrepro.flags import DeterminismFlags
 from torchrepro.recorder import Recorder
 
@@ -136,7 +137,7 @@ def install_hooks(
         owned.add(params)
         if recorder is not None:
             named = optimizer_items(self, names.names(params, sys._getframe(1)), with_state=False)
-            recorder.write("init", f"optimizer{index}", 0, named, named=True)
+            recorder.write("init", optimizer_key(index), 0, named, named=True)
         if on_init is not None:
             on_init(self, index)
 
@@ -150,7 +151,7 @@ def install_hooks(
             params = _params(opt)
             owned.add(params)  # a param group added since
             items = optimizer_items(opt, names.names(params, sys._getframe(1)))
-            recorder.write("compute", f"optimizer{index}", step, items, named=True)
+            recorder.write("compute", optimizer_key(index), step, items, named=True)
         else:
             step = _counter(f"step{index}")
         if on_step is not None:

@@ -31,15 +31,10 @@ from typing import Any
 
 import torch
 
+from torchrepro.events import BACKWARD_KEY
 from torchrepro.recorder import Recorder
 
-__all__ = ["BACKWARD_KEY", "FINAL_KEY", "BackwardSteps", "ParamNames", "optimizer_items"]
-
-BACKWARD_KEY = "backward"
-"""The event key of steps counted by ``backward()`` (training no optimizer sees)."""
-
-FINAL_KEY = "final"
-"""The key of the ``compute`` event holding, at exit, the state of the modules ``__main__`` holds."""
+__all__ = ["BackwardSteps", "ParamNames", "optimizer_items"]
 
 _WRAPPER_ATTRS = ("module", "_orig_mod")
 _HOLDER_ATTRS = ("model", "module", "net", "network", "model_wrapped")
