@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from torchrepro.errors import LaunchError
-from torchrepro.flags import CUBLAS_CONFIGS
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR
 from torchrepro.launch import (
     build_command,
     child_env,
@@ -163,3 +163,32 @@ def test_relaunch_under_torchrun_reexecs_each_rank_in_place(tmp_path: Path) -> N
         assert len(tops) == 2 and tops[0] == tops[1]  # one re-exec, same pid: the agent still sees it
         assert len(ready) == 1, lines
         assert ready[0][1:] == [tops[0], str(python_hash_seed(3)), rank]  # rank variables kept
+
+
+@pytest.mark.parametrize("mode", ["strict", "warn", "off"])
+def test_relaunch_sets_the_cublas_value_flags_decides(
+    mode: str, monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
+) -> None:
+    """relaunch asks ``flags`` which CUBLAS_WORKSPACE_CONFIG a process starts with; it no longer decides
+    itself (it set ``:4096:8`` even in mode ``off``, which leaves the variable as it is)."""
+    from torchrepro import flags, launch
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # nothing else is missing: no re-exec
+    monkeypatch.delenv(CUBLAS_VAR, raising=False)
+    monkeypatch.setattr(launch, "_bootstrapped", False)
+    saved = flags.DeterminismFlags.capture()
+    try:
+        launch.relaunch(seed=1, mode=mode)
+        assert os.environ.get(CUBLAS_VAR) == flags.cublas_start_value(mode, None)
+    finally:
+        saved.restore()
+        os.environ.pop(CUBLAS_VAR, None)
+    assert (os.environ.get(CUBLAS_VAR), flags.cublas_start_value("off", None)) == (None, None)
+
+
+@pytest.mark.parametrize(("current", "expected"), [(None, ":4096:8"), (":1:1", ":4096:8"), (":16:8", None)])
+def test_cublas_start_value_replaces_what_pytorch_refuses(current: str | None, expected: str | None) -> None:
+    from torchrepro.flags import cublas_start_value
+
+    assert cublas_start_value("strict", current) == cublas_start_value("warn", current) == expected
+    assert cublas_start_value("off", current) is None

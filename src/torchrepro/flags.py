@@ -49,6 +49,7 @@ __all__ = [
     "DeterminismFlags",
     "StatusItem",
     "StatusReport",
+    "cublas_start_value",
     "reproducible",
     "set_determinism",
     "status",
@@ -272,6 +273,18 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
     return previous
 
 
+def cublas_start_value(mode: str, current: str | None) -> str | None:
+    """The ``CUBLAS_WORKSPACE_CONFIG`` a process in ``mode`` must start with, when ``current`` (its
+    value now, None: unset) is not one PyTorch accepts; None: leave it (mode ``off``, or valid).
+
+    What ``relaunch`` puts in place (or re-executes with, once CUDA has started); ``set_determinism``
+    sets the same value and also says when it is too late or invalid.
+    """
+    if mode == "off" or current in CUBLAS_CONFIGS:
+        return None
+    return CUBLAS_CONFIGS[0]
+
+
 def _plan_cublas(mode: str, current: str | None) -> str | None:
     """Check ``CUBLAS_WORKSPACE_CONFIG``; return the value to set, or ``None`` to leave it."""
     if current is not None:
@@ -293,7 +306,7 @@ def _plan_cublas(mode: str, current: str | None) -> str | None:
         if mode == "strict":
             raise DeterminismError(message)
         warn_once("cublas-after-cuda", message + " Setting it now; it may have no effect.", stacklevel=3)
-    return CUBLAS_CONFIGS[0]
+    return cublas_start_value(mode, current)
 
 
 @contextmanager

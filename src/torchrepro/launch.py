@@ -34,8 +34,9 @@ from typing import Any
 from torchrepro import runrecord
 from torchrepro._child.spec import RELAUNCHED_VAR, ChildSpec, python_hash_seed
 from torchrepro._proc import descendants, exit_code, kill_tree
+from torchrepro._runtime import cuda_started
 from torchrepro.errors import LaunchError, SettingsError
-from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
+from torchrepro.flags import CUBLAS_VAR, MODES, cublas_start_value
 from torchrepro.seeding import validate_seed
 
 __all__ = [
@@ -354,13 +355,12 @@ def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None)
         used = current_seed()
         return seed if used is None else used
     missing = _start_settings_missing(seed, threads)
-    if os.environ.get(CUBLAS_VAR) not in CUBLAS_CONFIGS:
-        import torch
-
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            missing[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
+    cublas = cublas_start_value(mode, os.environ.get(CUBLAS_VAR))
+    if cublas is not None:
+        if cuda_started():
+            missing[CUBLAS_VAR] = cublas
         else:
-            os.environ[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
+            os.environ[CUBLAS_VAR] = cublas
     if missing:
         if os.environ.get(RELAUNCHED_VAR):
             from torchrepro.errors import warn_once
