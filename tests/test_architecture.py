@@ -202,3 +202,37 @@ def test_the_command_lines_parent_imports_no_torch() -> None:
 def test_the_parent_probe_sees_torch_when_it_is_imported() -> None:
     """Control for the test above: a module that needs torch does load it."""
     assert "torch" in _loaded_after("import torchrepro.recorder", first="pass")
+
+
+def _face_imports(path: Path) -> list[str]:
+    """Imports of the package face (``torchrepro/__init__``) in ``path``, at any depth."""
+    submodules = {p.stem for p in SRC.iterdir() if p.suffix == ".py"} | {
+        p.name for p in SRC.iterdir() if p.is_dir()
+    }
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import torchrepro" for a in node.names if a.name == "torchrepro"]
+        elif isinstance(node, ast.ImportFrom) and node.module == "torchrepro" and node.level == 0:
+            found += [
+                f"{node.lineno}: from torchrepro import {a.name}"
+                for a in node.names
+                if a.name not in submodules
+            ]
+    return found
+
+
+def test_no_module_imports_the_package_face() -> None:
+    """The face (``torchrepro/__init__``) is for users: a part that imported it would load whatever
+    it re-exports, and ties every part to the whole (``env.py`` took ``__version__`` from it)."""
+    offenders = {_name(p): found for p in MODULES if (found := _face_imports(p))}
+    assert offenders == {}
+
+
+def test_the_face_import_scan_can_fail(tmp_path: Path) -> None:
+    """Negative control: the scan sees a face import inside a function, and not a submodule's."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def f():\n    from torchrepro import __version__\n    from torchrepro import runrecord\n"
+    )
+    assert _face_imports(probe) == ["2: from torchrepro import __version__"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from torchrepro._version import __version__  # noqa: F401
     from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script  # noqa: F401
     from torchrepro.checkpoint import (
         latest_checkpoint,
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
     from torchrepro.rng import RngState, fork_rng
     from torchrepro.seeding import derive_seed, seed_everything
     from torchrepro.tracing import compare_traces, trace
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
@@ -139,6 +138,7 @@ _WHERE = {
     "collect_env": "env",
     "diff_env": "env",
     "load_env": "env",
+    "__version__": "_version",
 }
 
 

@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import torchrepro
+from torchrepro._version import __version__
+from torchrepro.errors import ReproError
 from torchrepro.events import BACKWARD_KEY, describe_name, is_step
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "script failed, 3 inconclusive (nothing beyond init compared on some rank); a script killed "
         "by signal N: 128+N.",
     )
-    parser.add_argument("--version", action="version", version=f"torchrepro {torchrepro.__version__}")
+    parser.add_argument("--version", action="version", version=f"torchrepro {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("run", help="run a script with every RNG seeded and determinism switches set")
@@ -552,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return _COMMANDS[args.command](args)
-    except torchrepro.ReproError as exc:
+    except ReproError as exc:
         print(f"torchrepro {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (launch.Terminated)

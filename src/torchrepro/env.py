@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from torchrepro._child.spec import ENV_PREFIX, LOCATION_VARIABLES
+from torchrepro._version import __version__
 from torchrepro.errors import EnvFileError
 from torchrepro.runrecord import ENV_FILE, json_problem, parse_json
 
@@ -307,8 +308,6 @@ def collect_env(*, script: str | os.PathLike[str] | None = None) -> Environment:
     ``script``: the training script; its content digest and the git commit and uncommitted
     changes of its repository are recorded (without it, of the current directory's repository).
     """
-    from torchrepro import __version__
-
     script_path = Path(script).resolve() if script is not None else None
     build = _torch_build()
     parallel = _parallel_info()
