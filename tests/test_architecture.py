@@ -96,8 +96,9 @@ def test_only_tracing_touches_dispatch_internals() -> None:
     assert offenders == []
 
 
-def _module_level_imports(path: Path, name: str | None = None) -> set[str]:
-    """torchrepro modules imported when ``path`` is imported (not in functions, not TYPE_CHECKING)."""
+def _module_level_imports(path: Path, name: str | None = None, *, in_functions: bool = False) -> set[str]:
+    """torchrepro modules imported when ``path`` is imported (not TYPE_CHECKING; ``in_functions``:
+    also those its functions and methods import when they run)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     name = _name(path) if name is None else name
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -107,7 +108,9 @@ def _module_level_imports(path: Path, name: str | None = None) -> set[str]:
         for node in nodes:
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
                 continue
-            if isinstance(node, (ast.If, ast.Try, ast.With)):
+            if in_functions and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(node.body)
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
                 visit(node.body)
                 visit(getattr(node, "orelse", []))
                 for handler in getattr(node, "handlers", []):
@@ -130,8 +133,11 @@ def _module_level_imports(path: Path, name: str | None = None) -> set[str]:
     return out
 
 
-def test_no_import_cycles() -> None:
-    graph = {_name(p): _module_level_imports(p) - {_name(p)} for p in MODULES}
+@pytest.mark.parametrize("in_functions", [False, True], ids=["module-level", "in-functions-too"])
+def test_no_import_cycles(in_functions: bool) -> None:
+    """No cycle among imports, module-level or inside functions (a lazy import that closes a cycle
+    hides an order dependence between two parts: the bootstrap and the children it configured)."""
+    graph = {_name(p): _module_level_imports(p, in_functions=in_functions) - {_name(p)} for p in MODULES}
     for name, deps in graph.items():  # importing a.b.c imports its packages a and a.b first
         for dep in list(deps):
             parts = dep.split(".")
@@ -156,11 +162,39 @@ def test_no_import_cycles() -> None:
 
 
 def test_cycle_detection_can_fail(tmp_path: Path) -> None:
-    """Negative control: the import scan sees the edges a cycle needs."""
+    """Negative control: the import scan sees the edges a cycle needs, in functions when asked."""
     a = tmp_path / "a.py"
-    a.write_text("from torchrepro import runrecord\nimport torchrepro.launch as _l\nfrom . import check\n")
+    a.write_text(
+        "from torchrepro import runrecord\nimport torchrepro.launch as _l\nfrom . import check\n"
+        "def f():\n    from torchrepro._child.session import configure\n"
+        "class C:\n    def m(self):\n        if True:\n            import torchrepro.env\n"
+    )
     found = _module_level_imports(a, "torchrepro.a")
     assert {"torchrepro.runrecord", "torchrepro.launch", "torchrepro.check"} <= found
+    assert not {"torchrepro._child.session", "torchrepro.env"} & found
+    assert {"torchrepro._child.session", "torchrepro.env"} <= _module_level_imports(
+        a, "torchrepro.a", in_functions=True
+    )
+
+
+CLI_LAZY = {
+    "torchrepro._child.spec",
+    "torchrepro.audit",
+    "torchrepro.check",
+    "torchrepro.compare",
+    "torchrepro.env",
+    "torchrepro.flags",
+    "torchrepro.launch",
+    "torchrepro.seeding",
+}
+"""What the command line imports only when a command needs it (``--help`` and ``--version`` stay
+fast): a new lazy import is a decision, listed here, and the cycle test above covers it."""
+
+
+def test_the_command_lines_lazy_imports_are_the_listed_ones() -> None:
+    path = SRC / "cli.py"
+    lazy = _module_level_imports(path, in_functions=True) - _module_level_imports(path)
+    assert lazy == CLI_LAZY
 
 
 def _loaded_after(code: str, first: str = "import torch") -> list[str]:

@@ -17,7 +17,8 @@ import torch
 
 from torchrepro import runrecord
 from torchrepro._child import bootstrap
-from torchrepro._child.bootstrap import _MaxStepsReached, _module_code, _parse, _rank, _script_code, _Session
+from torchrepro._child.bootstrap import _module_code, _parse, _script_code
+from torchrepro._child.session import MaxStepsReached, Session
 from torchrepro._child.spec import ENV_PREFIX, PARENT_RANK_VAR, ChildSpec
 
 # --- _parse ---------------------------------------------------------------------------------------
@@ -108,31 +109,22 @@ def test_script_code_syntax_error_names_the_file(tmp_path: Path) -> None:
 # --- small pieces of the session ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "rank"), [(None, 0), ("", 0), ("0", 0), ("3", 3)])
-def test_rank(monkeypatch: pytest.MonkeyPatch, value: str | None, rank: int) -> None:
-    if value is None:
-        monkeypatch.delenv("RANK", raising=False)
-    else:
-        monkeypatch.setenv("RANK", value)
-    assert _rank() == rank
-
-
 def test_max_steps_ends_after_the_slowest_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
-    session = _Session(ChildSpec(max_steps=2), None)  # no record dir, no tracing: nothing global
+    session = Session(ChildSpec(max_steps=2), None)  # no record dir, no tracing: nothing global
     assert session.recorder is None
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     session.on_step(opt, 0, 0)  # two optimizers stepping in turn (a GAN's D and G)
     session.on_step(opt, 1, 0)
     session.on_step(opt, 0, 1)  # optimizer 0 is done...
-    with pytest.raises(_MaxStepsReached) as info:
+    with pytest.raises(MaxStepsReached) as info:
         session.on_step(opt, 1, 1)  # ...and now optimizer 1 too
     assert info.value.code == 0 and isinstance(info.value, SystemExit)
     session.close()
 
 
 def test_no_max_steps_never_ends_the_run() -> None:
-    session = _Session(ChildSpec(), None)
+    session = Session(ChildSpec(), None)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
     for step in range(100):
         session.on_step(opt, 0, step)
@@ -146,7 +138,7 @@ def test_varied_loaders_are_noted_when_varied_not_only_at_exit(
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv(PARENT_RANK_VAR, "")  # so the mark the session leaves for children is undone
     monkeypatch.delenv(PARENT_RANK_VAR)
-    session = _Session(ChildSpec(num_workers="other", record_dir=os.fspath(tmp_path)), None)
+    session = Session(ChildSpec(num_workers="other", record_dir=os.fspath(tmp_path)), None)
     session.on_vary(2, 0)
     assert runrecord.read_varied(tmp_path, 0) == [(2, 0)]
     session.on_vary(0, 2)  # a framework building its second loader

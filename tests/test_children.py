@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from torchrepro import runrecord
-from torchrepro._child.children import RankClaim, _is_multiprocessing, _started_module
+from torchrepro._child.children import _is_multiprocessing, _started_module
+from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.spec import PARENT_RANK_VAR, SITE_DIR, ChildSpec
 from torchrepro.errors import LaunchError
 from torchrepro.launch import check_target

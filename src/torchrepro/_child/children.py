@@ -12,98 +12,25 @@ Lightning's ``strategy="ddp"`` starts as a new ``python script.py``, a
   (a multiprocessing child: seeded before the parent's ``__main__`` is re-imported, configured
   before its target runs). DataLoader workers (target ``_worker_loop``) are only seeded early;
   torch seeds them itself, and they record nothing.
-- The events file is chosen at a process's first event (``RankClaim``): the process group's rank
-  when one is initialised, else ``RANK`` (or ``LOCAL_RANK``, as Lightning's launcher sets it) when
-  it is this process's own, not inherited from the process that started it (``PARENT_RANK_VAR``).
-  A file is created exclusively, so two processes never write the same one; a child with no
-  rank of its own, or whose rank's file another process holds, records nothing and leaves an
-  ``uncovered`` note instead, which makes a check inconclusive.
+- The events file is chosen at a process's first event (``rankclaim.RankClaim``).
 - Every rank that joins a process group notes the world size it saw (``runrecord.write_world``),
   so a check knows the ranks that exist, recorded or not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from torchrepro._child.spec import in_run, mark_rank, parent_rank
-from torchrepro._runtime import env_rank
+from torchrepro._child.spec import in_run
 
 if TYPE_CHECKING:  # this module loads in every python of a run: only what it needs at start-up
     from collections.abc import Callable, Sequence
-    from pathlib import Path
-    from typing import IO
 
-__all__ = ["RankClaim", "adopt"]
+__all__ = ["adopt"]
 
 _WORKER_MODULE = "torch.utils.data._utils.worker"
 """The module of the DataLoader worker loop (a ``Process`` target that must not be configured)."""
-
-
-class RankClaim:
-    """Which events file a process writes, decided at its first event (see the invariants).
-
-    ``main``: the process torchrepro started (a ``--nproc`` rank or the script itself), whose rank
-    defaults to its ``RANK``, or 0. A child has a rank only from a process group or an
-    environment rank of its own.
-    """
-
-    def __init__(self, record_dir: str, *, main: bool) -> None:
-        self.record_dir = record_dir
-        self.main = main
-        self.rank: int | None = None
-        start = env_rank()
-        own = main or (None if start is None else str(start)) != parent_rank()
-        self._env_rank = start if own else None
-        mark_rank(str(self._env_rank if self._env_rank is not None else (0 if main else "")))
-
-    def _resolve(self) -> tuple[int | None, str]:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()), ""
-        if self._env_rank is not None:
-            return self._env_rank, ""
-        if self.main:
-            return 0, ""
-        why = "it trained in no process group and with no RANK or LOCAL_RANK of its own"
-        return None, why
-
-    def touch(self) -> None:
-        """At exit of a main process that recorded nothing: leave its rank's empty events file,
-        unless another process (a rank the script started) records that rank."""
-        from torchrepro import runrecord
-
-        rank, _ = self._resolve()
-        if self.rank is None and rank is not None:
-            with contextlib.suppress(OSError):
-                os.close(os.open(runrecord.events_path(self.record_dir, rank), os.O_CREAT | os.O_EXCL, 0o666))
-
-    def open(self) -> tuple[Path, IO[str]] | None:
-        """Create this process's events file (``Recorder``'s ``claim``); None: record nothing."""
-        from torchrepro import runrecord
-
-        rank, why = self._resolve()
-        if rank is not None:
-            path = runrecord.events_path(self.record_dir, rank)
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            except FileExistsError:
-                why = f"it is rank {rank}, whose events another process of the run records"
-            except OSError as exc:
-                why = f"its events file could not be created: {exc}"
-            else:
-                self.rank = rank
-                mark_rank(str(rank))
-                return path, os.fdopen(fd, "w", encoding="utf-8")
-        argv = getattr(sys, "orig_argv", sys.argv)
-        try:
-            runrecord.write_uncovered(self.record_dir, os.getpid(), argv, why)
-        except (OSError, TypeError, ValueError) as exc:
-            print(f"torchrepro: a python child was not recorded ({why}): {exc}", file=sys.stderr)
-        return None
 
 
 def _started_module(argv: Sequence[str]) -> str | None:
@@ -141,7 +68,7 @@ def _configure() -> None:
         return
     import atexit
 
-    from torchrepro._child.bootstrap import configure
+    from torchrepro._child.session import configure
 
     session = configure(spec, None, main=False)
     atexit.register(session.close)

@@ -1,0 +1,253 @@
+"""The child's session: what configuring a process sets up, shared by the bootstrap and by the
+python children a script starts (``_child.children``), torn down at exit.
+
+Invariants:
+- ``configure`` seeds and sets the switches before the script's first line, and installs the hooks
+  (``_child.hooks``) before the script can create an optimizer or a DataLoader; with an audit spec
+  the settings probe is installed first.
+- The events file is chosen at the first event (``rankclaim.RankClaim``): the process group's rank
+  if initialised, else the rank the environment names, else 0; a rank a script-started process
+  already records is not written twice.
+- ``max_steps=N`` ends the run with exit code 0 right after the N-th optimizer step (or, in a
+  script no optimizer sees, as the (N+1)-th ``backward()`` starts, after the N-th update), events
+  flushed (``MaxStepsReached``); at exit a ``final`` event holds the state of every module the
+  script's globals hold; the tracing package is imported only when the spec asks for a trace or
+  an op record.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+import torchrepro.launch as _launch
+import torchrepro.recorder as _recorder
+from torchrepro import runrecord
+from torchrepro._child.hooks import SettingsProbe, install_hooks, install_world_hook, worker_mapping
+from torchrepro._child.rankclaim import RankClaim
+from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
+from torchrepro._child.training import BackwardSteps
+from torchrepro._runtime import env_rank
+from torchrepro.events import FINAL_KEY
+from torchrepro.recorder import Recorder
+
+__all__ = ["MaxStepsReached", "Session", "configure"]
+
+
+class MaxStepsReached(SystemExit):
+    """Raised from the optimizer hook after ``max_steps`` optimizer steps: a clean exit 0."""
+
+
+class Session:
+    """Everything the bootstrap set up in this process, torn down at exit."""
+
+    def __init__(self, spec: ChildSpec, script: str | None, *, main: bool = True) -> None:
+        self.main = main
+        self.claim: RankClaim | None = None
+        self.varied: list[tuple[int, int]] = []  # (num_workers asked, used) per DataLoader varied
+        self.spec = spec
+        self.trace_out = spec.trace_out  # None once tracing turned out to be unavailable
+        self.tracer: Any = None
+        self.ops_recorder: Any = None
+        self.recorder: Recorder | None = None
+        self.steps: dict[int, int] = {}
+        self.has_optimizer = False
+        self.backward_steps: BackwardSteps | None = None
+        if spec.record_dir:
+            kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
+            self.claim = RankClaim(spec.record_dir, main=main)
+            self.recorder = Recorder(None, claim=self.claim.open, **kwargs)
+            if main and (env_rank() or 0) == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+                _write_env(spec.record_dir, script)
+
+    @property
+    def rank(self) -> int | None:
+        """The rank this process records as (None: a child with no rank of its own, or none yet)."""
+        if self.claim is not None and self.claim.rank is not None:
+            return self.claim.rank
+        return (env_rank() or 0) if self.main else None
+
+    def on_join(self, rank: int, world_size: int) -> None:
+        if self.spec.record_dir:
+            try:
+                runrecord.write_world(self.spec.record_dir, rank, world_size)
+            except (OSError, TypeError, ValueError) as exc:
+                print(f"torchrepro: could not note rank {rank} of {world_size}: {exc}", file=sys.stderr)
+
+    # --- tracing (spec.trace_step / spec.ops_out) ---
+    def _start_tracer(self) -> None:
+        rank = self.rank
+        if self.tracer is not None or self.trace_out is None or rank is None:
+            return
+        try:
+            from torchrepro.tracing import Tracer
+
+            self.tracer = Tracer(runrecord.trace_path(self.trace_out, rank))
+            self.tracer.start()
+            _recorder.trace_pause = self.tracer.paused
+        except Exception as exc:  # locating is best effort: never break the run
+            print(f"torchrepro bootstrap: op tracing unavailable: {exc}", file=sys.stderr)
+            self.trace_out = None
+            self.tracer = None
+
+    def _stop_tracer(self) -> None:
+        tracer, self.tracer = self.tracer, None
+        _recorder.trace_pause = None
+        if tracer is not None:
+            try:
+                tracer.stop()
+            except Exception as exc:
+                print(f"torchrepro bootstrap: op tracing failed: {exc}", file=sys.stderr)
+
+    def start_ops(self) -> None:
+        if not self.spec.ops_out:
+            return
+        try:
+            from torchrepro.tracing import OpRecorder
+
+            self.ops_recorder = OpRecorder()
+            self.ops_recorder.start()
+        except Exception as exc:
+            print(f"torchrepro bootstrap: op recording unavailable: {exc}", file=sys.stderr)
+            self.ops_recorder = None
+
+    def finish_ops(self) -> None:
+        rec, self.ops_recorder = self.ops_recorder, None
+        ops_out = self.spec.ops_out
+        rank = self.rank
+        if rec is None or not ops_out or rank is None:
+            return
+        from torchrepro._io import atomic_write_json
+
+        try:
+            events = rec.stop()
+            atomic_write_json(runrecord.ops_path(ops_out, rank), [e.to_dict() for e in events])
+        except Exception as exc:
+            print(f"torchrepro bootstrap: writing the op record failed: {exc}", file=sys.stderr)
+
+    # --- hooks ---
+    def on_init(self, opt: torch.optim.Optimizer, index: int) -> None:
+        self.has_optimizer = True  # from now on --steps counts optimizer steps, not backward() calls
+        if self.spec.trace_step == 0 and index == self.spec.trace_optimizer:
+            self._start_tracer()
+
+    def on_step(self, opt: torch.optim.Optimizer, index: int, step: int) -> None:
+        self.steps[index] = step + 1
+        if self.spec.trace_step is not None and index == self.spec.trace_optimizer:
+            if step == self.spec.trace_step - 1:
+                self._start_tracer()
+            elif step == self.spec.trace_step:
+                self._stop_tracer()
+        if self.spec.max_steps is not None and min(self.steps.values()) >= self.spec.max_steps:
+            raise MaxStepsReached(0)
+
+    def on_backward(self, step: int, ended: bool) -> None:
+        """Steps counted by ``backward()``: training no optimizer sees (``_child.training``)."""
+        traced = self.spec.trace_step if self.spec.trace_optimizer == BACKWARD_STEPS else None
+        if not ended:
+            if traced is not None and step == traced + 1:
+                self._stop_tracer()  # step ``trace_step``'s update ran before this backward
+            if self.spec.max_steps is not None and not self.has_optimizer and step >= self.spec.max_steps:
+                raise MaxStepsReached(0)
+        elif traced is not None and step == traced - 1:
+            self._start_tracer()
+
+    def on_vary(self, original: int, used: int) -> None:
+        self.varied.append((original, used))
+        self._save_varied()  # now: a check stops a run at its first divergence, before close()
+
+    def _save_varied(self) -> None:
+        rank = self.rank
+        if self.spec.num_workers is None or not self.spec.record_dir or rank is None:
+            return  # a rank learned later saves at close
+        try:
+            runrecord.write_varied(self.spec.record_dir, rank, self.varied)
+        except OSError as exc:
+            print(f"torchrepro: could not note the varied DataLoaders: {exc}", file=sys.stderr)
+
+    def close(self) -> None:
+        if self.backward_steps is not None:
+            self.backward_steps.flush()  # the last hand-written update
+        self._stop_tracer()
+        self.finish_ops()
+        if self.recorder is not None:
+            _record_final_state(self.recorder)
+            self.recorder.close()
+        if self.claim is not None and self.main:
+            self.claim.touch()
+        self._save_varied()
+
+
+def _record_final_state(recorder: Recorder) -> None:
+    """One ``final`` event: the state of every module the script's globals hold, at exit."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return
+    items: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    try:
+        for var, value in sorted(vars(main).items()):
+            if isinstance(value, torch.nn.Module) and id(value) not in seen:
+                seen.add(id(value))
+                items.extend((f"final:{var}.{k}", v) for k, v in value.state_dict().items())
+        if items:
+            recorder.write("compute", FINAL_KEY, recorder.current_step, items, named=True)
+    except Exception as exc:  # never turn a finished run into a failed one
+        print(f"torchrepro bootstrap: recording the final state failed: {exc}", file=sys.stderr)
+
+
+def _write_env(record_dir: str, script: str | None) -> None:
+    try:
+        from torchrepro.env import collect_env
+
+        env = collect_env(script=script).to_dict()
+    except Exception as exc:  # the record stays useful without it
+        env = {"error": f"collect_env failed: {type(exc).__name__}: {exc}"}
+    try:
+        runrecord.write_env(record_dir, env)
+    except (OSError, TypeError, ValueError) as exc:
+        print(f"torchrepro bootstrap: could not write {runrecord.ENV_FILE}: {exc}", file=sys.stderr)
+
+
+def _configure(spec: ChildSpec) -> None:
+    """Threads, seeds and switches, before the script's first line."""
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.seed is not None:
+        from torchrepro.seeding import seed_everything
+
+        seed_everything(spec.seed)
+    if spec.mode is not None:
+        from torchrepro.flags import set_determinism
+
+        set_determinism(spec.mode)
+    _launch._mark_bootstrapped(seeded=spec.seed is not None)
+
+
+def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Session:
+    """Seed, set the switches and install the hooks in this process; return what was set up.
+
+    ``main``: the process torchrepro started; otherwise a python child the script started
+    (``_child.children``), which records only under a rank of its own.
+    """
+    if spec.audit_settings_out:
+        SettingsProbe(spec.audit_settings_out).install()
+    _configure(spec)
+    session = Session(spec, script, main=main)
+    session.backward_steps = install_hooks(
+        session.recorder,
+        num_workers=worker_mapping(spec.num_workers),
+        on_vary=session.on_vary if spec.num_workers is not None else None,
+        on_init=session.on_init,
+        on_step=session.on_step,
+        on_backward=session.on_backward if spec.max_steps or spec.trace_step is not None else None,
+    )
+    if spec.record_dir:
+        install_world_hook(session.on_join)
+    session.start_ops()
+    if spec.trace_step == 0 and spec.trace_optimizer == BACKWARD_STEPS:
+        session._start_tracer()  # step 0 of training no optimizer sees: from the script's start
+    return session
