@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: install demo test lint typecheck unit bench clean
+.PHONY: install demo test quick coverage lint typecheck unit bench clean
 
 install: $(STAMP)
 
@@ -31,6 +31,16 @@ unit: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit
+
+# The tests without the `slow` marker (many subprocesses): a quicker loop while working.
+quick: $(STAMP)
+	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not slow"
+
+# Line and branch coverage of src/torchrepro over the whole suite, subprocesses included
+# (coverage's `patch = subprocess`); the figure goes in the README's development section.
+coverage: $(STAMP)
+	rm -f .coverage .coverage.*
+	$(VENV)/bin/pytest $(PYTEST_ARGS) --cov=torchrepro --cov-branch --cov-report=term:skip-covered
 
 bench: $(STAMP)
 	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done

@@ -4,6 +4,11 @@
 - torch determinism flags and thread count: restored; a leak fails the test.
 - global RNG states (Python, NumPy, torch CPU): restored; a leak fails the test unless it
   requests the ``rng_changes_ok`` fixture (doctests are allowed to change them).
+
+Markers (declared in pyproject.toml):
+- ``requires_cuda``: skipped, with the reason, where no CUDA device is visible; with
+  ``--require-cuda`` (the GPU validation passes it) a missing device fails them instead.
+- ``slow``: many subprocesses; ``make test`` runs them, ``make quick`` (``-m "not slow"``) does not.
 """
 
 from __future__ import annotations
@@ -58,6 +63,25 @@ _ENV_SET_BY_TORCH = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
 
 def _environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _ENV_SET_BY_TORCH}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-cuda",
+        action="store_true",
+        help="fail the tests marked requires_cuda when no CUDA device is visible, instead of skipping them",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available() or config.getoption("--require-cuda"):
+        return
+    skip = pytest.mark.skip(
+        reason="needs a CUDA device (none is visible; --require-cuda makes this a failure)"
+    )
+    for item in items:
+        if item.get_closest_marker("requires_cuda") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture
