@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SRC, user_env
 from torchrepro import runrecord
 from torchrepro._child.children import _is_multiprocessing, _started_module
 from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.spec import PARENT_RANK_VAR, SITE_DIR, ChildSpec
 from torchrepro.errors import LaunchError
 from torchrepro.launch import check_target
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 PROBE = (
     "import sys, json, torch;"
@@ -32,14 +31,8 @@ def _python(code: str, env: dict[str, str], cwd: Path) -> str:
     return proc.stdout.strip()
 
 
-def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    env["PYTHONPATH"] = os.pathsep.join([SRC, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
 def test_a_python_started_in_a_recorded_run_is_seeded_and_strict(tmp_path: Path) -> None:
-    env = ChildSpec(seed=7, record_dir=str(tmp_path)).to_env(_base_env())
+    env = ChildSpec(seed=7, record_dir=str(tmp_path)).to_env(user_env())
     assert env["PYTHONPATH"].split(os.pathsep)[:2] == [SITE_DIR, SRC]
     a, b = (json.loads(_python(PROBE, env, tmp_path)) for _ in range(2))
     assert a == b and a[1] is True
@@ -53,7 +46,7 @@ def test_outside_a_run_the_sitecustomize_imports_no_torch_and_chains_to_the_user
     user = tmp_path / "user_site"
     user.mkdir()
     (user / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITE_RAN = True\n")
-    env = _base_env()
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, env["PYTHONPATH"], str(user)])
     code = "import sys, builtins; print('torch' in sys.modules, getattr(builtins, 'USER_SITE_RAN', False))"
     assert _python(code, env, tmp_path) == "False True"

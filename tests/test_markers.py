@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 PROBE = """
 import pytest, torch

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch.distributed as dist
 
+from helpers import free_port
 from torchrepro._runtime import cuda_started, env_rank, process_group
 
 
@@ -33,10 +33,7 @@ def test_env_rank(env: dict[str, str], rank: int | None) -> None:
 def test_process_group_is_the_fixed_one_else_the_group_else_rank_0_of_1() -> None:
     assert process_group() == (0, 1)
     assert process_group((2, 4)) == (2, 4)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         assert process_group() == (0, 1) and dist.is_initialized()
         assert process_group((1, 3)) == (1, 3)

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from helpers import user_env
+
 SCRIPTS = Path(__file__).parents[1] / "e2e" / "scripts"
 
 
@@ -40,7 +42,7 @@ def _describe(pid: int) -> str:
 def test_sigterm_ends_every_child_process(tmp_path: Path) -> None:
     script = tmp_path / "forever_sigterm_probe.py"
     script.write_text((SCRIPTS / "forever.py").read_text())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchrepro", "check", str(script)],
         cwd=tmp_path,
@@ -76,7 +78,7 @@ def test_sigterm_ends_every_child_process(tmp_path: Path) -> None:
 
 
 def test_human_report_and_concurrent_checks_do_not_collide(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     cmd = [sys.executable, "-m", "torchrepro", "check", "--steps", "2", str(SCRIPTS / "unseeded.py")]
     procs = [
         subprocess.Popen(

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from helpers import user_env
 from torchrepro.cli import main
 from torchrepro.launch import launch
 
@@ -52,7 +53,7 @@ def _compare_json(capsys: pytest.CaptureFixture[str], a: Path, b: Path) -> tuple
 def records(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("traced_runs")
     shutil.copy(SCRIPT, root / SCRIPT.name)  # run from its directory: locations are relative
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     cli = [sys.executable, "-m", "torchrepro", "run", "--trace-step", "2", "--record"]
     procs = {
         name: subprocess.Popen(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import user_env
 from torchrepro import collect_env
 from torchrepro.cli import main
 
@@ -88,7 +89,7 @@ def test_env_diff_across_real_processes(tmp_path: Path, capsys: pytest.CaptureFi
         [sys.executable, "-m", "torchrepro", "env", "--json"],
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": other},
+        env=user_env(OMP_NUM_THREADS=other),
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr

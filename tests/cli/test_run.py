@@ -8,8 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from clirun import torchrepro
-
+from helpers import torchrepro
 from torchrepro.launch import python_hash_seed
 from torchrepro.runrecord import read_events
 from torchrepro.seeding import derive_seed

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from clirun import torchrepro
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import torchrepro
 from torchrepro import runrecord
 from torchrepro._proc import exit_code
 from torchrepro.cli import build_parser, main

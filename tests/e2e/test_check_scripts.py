@@ -7,13 +7,14 @@ plain python would (``--no-seed``) or with one irrelevant setting varied, is cau
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from checkrun import check
+
+from helpers import check_json as check
+from helpers import user_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -196,7 +197,7 @@ def test_every_hand_written_update_shape_is_seen_and_stopped_by_steps(tmp_path: 
 
 
 def test_two_seeds_of_a_hand_written_update_loop_are_not_identical(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     target = (script("manual_update.py"), "--steps", "2")
     for seed in ("1", "2"):
         run = [sys.executable, "-m", "torchrepro", "run", "--seed", seed, "--record", f"s{seed}", *target]

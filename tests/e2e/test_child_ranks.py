@@ -10,19 +10,18 @@ control draws unseeded noise on rank 1 only, and must be reported as a divergenc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from checkrun import check
 
+from helpers import check_json as check
+from helpers import user_env
 from torchrepro.compare import compare_runs
 
 SCRIPTS = Path(__file__).resolve().parent / "child_scripts"
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 STARTERS = ["mp_spawn.py", "lightning_ddp.py", "subprocess_parent.py"]
 
@@ -85,8 +84,7 @@ def test_a_forked_rank_is_never_a_pass(tmp_path: Path) -> None:
 def test_spawned_dataloader_workers_are_left_to_torch(tmp_path: Path) -> None:
     """Spawn-method DataLoader workers are python children of the run: they are not configured
     (no strict switches, no record, no uncovered note); torch seeds them from the seeded main."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
+    env = user_env()
     outputs = []
     for name in ("a", "b"):
         proc = subprocess.run(

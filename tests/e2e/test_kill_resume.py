@@ -27,12 +27,12 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import ROOT
 from torchrepro import latest_checkpoint
 from torchrepro._io import TMP_SUFFIX
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "resume_cnn.py"
 STEPS = 60  # 5 epochs of 12 batches
 SLOW_WRITE = "0.003"  # seconds after each write call: a checkpoint save takes ~0.3 s

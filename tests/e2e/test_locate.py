@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,8 +27,9 @@ import torch
 import torch.multiprocessing  # registers how tensors are pickled between processes
 import torch.utils.data
 
+from helpers import user_env
+
 SCRIPTS = Path(__file__).parent / "locate_scripts"
-SRC = Path(__file__).resolve().parents[2] / "src"
 CASES: dict[str, tuple[str, ...]] = {
     "dropout_urandom": (),
     "pid_factor": (),
@@ -50,9 +50,7 @@ def _start_check(
 ) -> subprocess.Popen[str]:
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(SCRIPTS / f"{name}.py", directory / f"{name}.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
-    # The check runs from another directory: a relative PYTHONPATH (src) would load another copy.
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = user_env()
     return subprocess.Popen(
         [sys.executable, "-m", "torchrepro", "check", "--json", *extra, f"{name}.py", *script_args],
         cwd=directory,

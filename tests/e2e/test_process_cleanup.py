@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import user_env
+
 SCRIPT = """
 import os, subprocess, sys, time
 import torch
@@ -61,7 +63,7 @@ def _start(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     marker = str(tmp_path)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.replace("MARKER", marker))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchrepro", *args, str(script)],
         cwd=tmp_path,
@@ -162,7 +164,7 @@ def test_ctrl_c_on_nproc_2_prints_a_few_lines_and_leaves_nothing(tmp_path: Path)
         f"open({marker!r} + f'/rank{{dist.get_rank()}}.ready', 'w').close()\n"
         "time.sleep(300)\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHREPRO_")}
+    env = user_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchrepro", "run", "--nproc", "2", str(script)],
         cwd=tmp_path,

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -29,7 +28,8 @@ from typing import Any
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import free_port, user_env
+
 SCRIPTS = Path(__file__).resolve().parent / "lightning_scripts"
 TRAIN = SCRIPTS / "train.py"
 
@@ -43,20 +43,11 @@ DDP_KILL, DDP_CKPT = 7, "epoch=1-step=6.ckpt"  # last.ckpt: epoch 1 after 2 of 4
 TIMEOUT = 240
 
 
+_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHREPRO_", "PL_"))}
-    for name in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return user_env(drop=("PL_", *_RANK_VARIABLES), **{"OMP_NUM_THREADS": "1", **extra})
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -132,7 +123,7 @@ class Runner:
         if ranks == 1:
             pids = [self._fork(full, {}, run.logs[0])]
         else:  # ranks started externally, like torchrun: Lightning launches nothing itself
-            port = str(_free_port())
+            port = str(free_port())
             pids = [
                 self._fork(
                     full,

@@ -7,7 +7,6 @@ from scratch (saving checkpoints every 4 steps), one resuming from those checkpo
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -18,17 +17,16 @@ import pytest
 import torch
 
 import torchrepro
+from helpers import user_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
 SCRIPT = str(Path(__file__).resolve().parent / "hf_scripts" / "train.py")
 
 
 def _env() -> dict[str, str]:
-    path = os.pathsep.join(p for p in (SRC, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return user_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
 def _run_together(*commands: list[str]) -> None:

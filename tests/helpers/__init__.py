@@ -1,0 +1,65 @@
+"""What many tests need, written once: this checkout's paths, a user's environment, the command
+line in a subprocess, a free port.
+
+``tests/`` is on ``sys.path`` (pytest's ``pythonpath``), so every test imports ``helpers``. The
+scripts the tests start are plain python files and do not import it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ROOT", "SRC", "check_json", "free_port", "torchrepro", "user_env"]
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout's root."""
+SRC = str(ROOT / "src")
+"""This checkout's ``src``: first on every child's ``PYTHONPATH``, so children run the code under
+test, not whatever an editable install points at (absolute: checks run from other directories)."""
+
+
+def user_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
+    """The environment a user's shell gives: this process's, without any ``TORCHREPRO_*`` variable
+    (nor the names or prefixes in ``drop``), with ``SRC`` first on ``PYTHONPATH``, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHREPRO_", *drop))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def torchrepro(
+    cwd: Path | str, *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torchrepro *args`` in ``cwd`` as a user would run it (``env``: ``user_env()``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torchrepro", *args],
+        cwd=cwd,
+        env=user_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def check_json(cwd: Path, *args: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:
+    """Run ``torchrepro check --json *args`` in ``cwd``; return (exit code, verdict, stderr).
+
+    No ``PYTHONHASHSEED`` is inherited either: ``--no-seed`` must see what plain python sees.
+    """
+    proc = torchrepro(cwd, "check", "--json", *args, timeout=timeout, env=user_env(drop=("PYTHONHASHSEED",)))
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must be exactly one JSON object:\n{proc.stdout}\n{proc.stderr}"
+    return proc.returncode, json.loads(lines[0]), proc.stderr
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
