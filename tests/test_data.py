@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchrepro
 from torchrepro import DataLoaderStateError, ReproError, SeededLoader, derive_seed, sample_rng
 from torchrepro import data as data_module
-from torchrepro.data import LoaderConfigError, UnsupportedDatasetError, _Deriver
+from torchrepro.data import LoaderConfigError, UnsupportedDatasetError
 
 many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 no_accelerator = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
@@ -423,24 +421,6 @@ def test_collate_is_keyed_by_batch(rng_changes_ok: None) -> None:
 def test_sample_rng_outside_a_loader_raises() -> None:
     with pytest.raises(ReproError, match="outside a sample being loaded by a SeededLoader"):
         sample_rng()
-
-
-@settings(max_examples=50)
-@given(
-    st.integers(0, 2**64 - 1),
-    st.integers(0, 10**6),
-    st.integers(0, 2**80),  # past 8 bytes too (the header is computed, not looked up)
-)
-def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
-    assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
-    assert _Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
-    keys = [index, index // 3, 0, 2**63 - 1, 2**63]
-    assert _Deriver(seed, ("sample", epoch), 3).many(keys) == [
-        derive_seed(seed, "sample", epoch, key) for key in keys
-    ]
-    assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
-        seed, "object", epoch, index, "a.0"
-    )
 
 
 # -- resume ------------------------------------------------------------------------------------

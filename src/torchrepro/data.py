@@ -23,13 +23,11 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
-import struct
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import torch
@@ -41,11 +39,10 @@ from torchrepro._rawrng import _numpy_mt, _python_mt
 from torchrepro._runtime import process_group
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
 from torchrepro.seeding import (
-    _PERSON,
     NUMPY_RNG,
     PYTHON_RNG,
     TORCH_RNG,
-    _encode_key,
+    _Deriver,
     current_seed,
     derive_seed,
     sample_seeder,
@@ -56,56 +53,6 @@ __all__ = ["LoaderConfigError", "SeededLoader", "UnsupportedDatasetError", "samp
 
 STATE_VERSION: Final = 1
 """Version of the dict ``SeededLoader.state_dict()`` returns."""
-
-
-# --------------------------------------------------------------------------------------------
-# Seeds: derive_seed(seed, *prefix, *rest) from a copied hash state (the per-sample hot path).
-
-
-class _Deriver:
-    """``derive_seed(seed, *prefix, *rest)`` for a fixed prefix, at the cost of one hash copy.
-
-    Produces exactly ``derive_seed``'s value (a test checks it): the hash state after the seed,
-    the key count and the prefix keys is computed once and copied for every call.
-    """
-
-    __slots__ = ("_hash",)
-
-    def __init__(self, seed: int, prefix: tuple[int | str, ...], n_keys: int) -> None:
-        h = hashlib.blake2b(digest_size=8, person=_PERSON)
-        h.update(seed.to_bytes(8, "little"))
-        h.update(struct.pack("<I", n_keys))
-        for key in prefix:
-            h.update(_encode_key(key))
-        self._hash = h
-
-    def __call__(self, *rest: int | str) -> int:
-        h = self._hash.copy()
-        for key in rest:
-            h.update(_encode_key(key))
-        return int.from_bytes(h.digest(), "little")
-
-    def one(self, key: int) -> int:
-        """``self(key)`` for one int key (through ``many``)."""
-        return self.many((key,))[0]
-
-    def many(self, keys: Iterable[int]) -> list[int]:
-        """``[self(key) for key in keys]`` for int keys (the per-sample hot path: one call per
-        batch, ``_encode_key``'s header looked up for lengths up to 8 bytes)."""
-        base, heads, pack, from_bytes = self._hash, _INT_HEADS, _pack_u32, int.from_bytes
-        seeds: list[int] = []
-        append = seeds.append
-        for key in keys:
-            h = base.copy()
-            length = (key.bit_length() + 8) >> 3  # room for the sign bit
-            head = heads[length] if length < len(heads) else b"i" + pack(length)
-            h.update(head + key.to_bytes(length, "little", signed=True))
-            append(from_bytes(h.digest(), "little"))
-        return seeds
-
-
-_pack_u32 = struct.Struct("<I").pack
-_INT_HEADS = tuple(b"i" + _pack_u32(length) for length in range(9))  # _encode_key's type and length
 
 
 # --------------------------------------------------------------------------------------------
