@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchrepro
 from torchrepro import DataLoaderStateError, ReproError, SeededLoader, derive_seed, sample_rng
-from torchrepro import data as data_module
+from torchrepro.data import view as data_view
 from torchrepro.data import LoaderConfigError, UnsupportedDatasetError
 
 many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -232,7 +232,7 @@ def test_loading_keeps_the_main_processes_cached_gaussian_and_numpy_state(rng_ch
 
 
 def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> None:
-    from torchrepro._rawrng import _numpy_mt, _RawNumpyState
+    from torchrepro.data.rawrng import _numpy_mt, _RawNumpyState
 
     np.random.seed(5)
     np.random.standard_normal()
@@ -251,7 +251,7 @@ def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> No
 
 
 def test_raw_python_state_round_trips_like_pythons_own(rng_changes_ok: None) -> None:
-    from torchrepro._rawrng import _python_mt, _RawPythonState
+    from torchrepro.data.rawrng import _python_mt, _RawPythonState
 
     random.seed(5)
     random.gauss(0.0, 1.0)  # one gaussian cached in gauss_next
@@ -277,7 +277,7 @@ def test_python_state_falls_back_to_the_api_for_a_replaced_random(
     monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
 ) -> None:
     """A module whose functions are not bound to a stock Random is saved through getstate."""
-    from torchrepro._rawrng import _PythonMT
+    from torchrepro.data.rawrng import _PythonMT
 
     class Patched(random.Random):
         pass
@@ -823,7 +823,7 @@ def test_lazily_seeded_globals_give_every_sample_its_keyed_draws(
 def test_lazy_seeding_is_load_bearing(monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None) -> None:
     """Negative control: without the check after each batch (nothing seen drawn), the samples
     that draw from an RNG the process stopped seeding get draws that are not theirs."""
-    monkeypatch.setattr(data_module, "_changed", lambda which, before, np: 0)
+    monkeypatch.setattr(data_view, "_changed", lambda which, before, np: 0)
     loader = SeededLoader(Sometimes(), batch_size=4, seed=11, shuffle=False)
     rows = [row for batch in loader for row in batch.tolist()]
     wrong = [row for row in rows if row != expected_sometimes(11, 0, int(row[0]))]
