@@ -22,7 +22,7 @@ CASES = {
     "torch": "pass",
     "torch + torchrepro": "import torchrepro",
     "torch + torchrepro.seeding": "import torchrepro.seeding",
-    "torch + torchrepro.data": "import torchrepro.data",
+    "torch + torchrepro.data": "from torchrepro.data import SeededLoader",
     "torch + torchrepro.checkpoint": "import torchrepro.checkpoint",
     "torch + torchrepro.trace (tracing)": "import torchrepro; torchrepro.trace",
 }

@@ -108,8 +108,7 @@ def lockstep(loaders: list[tuple[str, Any]], repeats: int) -> dict[str, tuple[fl
 
 def seeding_cost_us() -> dict[str, float]:
     """CPU microseconds per sample of each per-sample seeding call (best of several runs)."""
-    from torchrepro.data import _Deriver
-    from torchrepro.seeding import NUMPY_RNG, TORCH_RNG, _CRandom, sample_seeder
+    from torchrepro.seeding import NUMPY_RNG, TORCH_RNG, _CRandom, _Deriver, sample_seeder
 
     derive = _Deriver(0, ("sample", 0), 3)
     seed_globals = sample_seeder(np)
@@ -140,7 +139,7 @@ def seeding_cost_us() -> dict[str, float]:
 def state_saving_cost_us() -> dict[str, float]:
     """CPU microseconds per batch to save and put back NumPy's global RNG state in the main
     process: as SeededLoader does it (raw bytes) and through NumPy's API (best of several runs)."""
-    from torchrepro._rawrng import _numpy_mt
+    from torchrepro.data.rawrng import _numpy_mt
 
     def raw() -> None:
         _numpy_mt.restore(np, _numpy_mt.save(np))
@@ -172,7 +171,7 @@ class BareSeeding(Dataset[Any]):
     without drawing, which no check could see."""
 
     def __init__(self, dataset: Dataset[Any], *, torch_too: bool) -> None:
-        from torchrepro.data import _Deriver
+        from torchrepro.seeding import _Deriver
 
         self.dataset = dataset
         self.derive = _Deriver(0, ("sample", 0), 3)

@@ -212,7 +212,9 @@ def test_import_torchrepro_loads_no_submodule() -> None:
     assert "torch" not in loaded  # nothing at all until a name is used
 
 
-@pytest.mark.parametrize("module", ["torchrepro.data", "torchrepro.seeding", "torchrepro.checkpoint"])
+@pytest.mark.parametrize(
+    "module", ["torchrepro.data", "torchrepro.data.loader", "torchrepro.seeding", "torchrepro.checkpoint"]
+)
 def test_importing_one_part_does_not_load_tracing(module: str) -> None:
     loaded = _loaded_after(f"import {module}")
     assert [m for m in loaded if m.startswith("torchrepro.tracing") or "dispatch" in m] == []

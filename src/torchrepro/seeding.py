@@ -5,6 +5,9 @@ Invariants:
   of the keys; never Python's ``hash()``), so every process derives the same child seeds.
 - Every library gets its own derived seed: distinct user seeds give distinct streams everywhere,
   and NumPy's 32-bit seed limit never truncates a 64-bit user seed.
+- ``_Deriver`` (the loader's per-sample derivation: ``derive_seed`` for a fixed key prefix, from
+  a copied hash state) gives exactly ``derive_seed``'s values: both start the hash in one place
+  and encode int keys with the same headers.
 - This module owns every write of the global RNG streams: ``seed_everything`` (and
   ``seed_streams``, the same streams without queueing seeds for an idle CUDA) seed each library
   from its derived seed; ``sample_seeder`` is the per-sample seeder of ``SeededLoader``.
@@ -17,7 +20,7 @@ import os
 import random
 import struct
 from _random import Random as _CRandom
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from torchrepro._compat import lazy_import, numpy_or_none
@@ -56,6 +59,17 @@ def validate_seed(seed: object, name: str = "seed") -> int:
     return int(seed)
 
 
+_pack_u32 = struct.Struct("<I").pack
+
+
+def _int_head(length: int) -> bytes:
+    """The type and length header ``_encode_key`` writes before an int key of ``length`` bytes."""
+    return b"i" + _pack_u32(length)
+
+
+_INT_HEADS = tuple(_int_head(length) for length in range(9))  # looked up for up to 8 bytes
+
+
 def _encode_key(key: object) -> bytes:
     if isinstance(key, bool) or not isinstance(key, (int, str)):
         raise TypeError(
@@ -65,9 +79,17 @@ def _encode_key(key: object) -> bytes:
     if isinstance(key, int):
         length = (key.bit_length() + 8) // 8  # room for the sign bit
         body = key.to_bytes(length, "little", signed=True)
-        return b"i" + struct.pack("<I", length) + body
+        return _int_head(length) + body
     data = key.encode("utf-8", "surrogatepass")
-    return b"s" + struct.pack("<I", len(data)) + data
+    return b"s" + _pack_u32(len(data)) + data
+
+
+def _start(seed: int, n_keys: int) -> Any:
+    """The derivation's hash after the seed and the key count (the keys follow, encoded)."""
+    h = hashlib.blake2b(digest_size=8, person=_PERSON)
+    h.update(seed.to_bytes(8, "little"))
+    h.update(_pack_u32(n_keys))
+    return h
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
@@ -84,12 +106,51 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     True
     """
     seed = validate_seed(seed)
-    h = hashlib.blake2b(digest_size=8, person=_PERSON)
-    h.update(seed.to_bytes(8, "little"))
-    h.update(struct.pack("<I", len(keys)))
+    h = _start(seed, len(keys))
     for key in keys:
         h.update(_encode_key(key))
     return int.from_bytes(h.digest(), "little")
+
+
+class _Deriver:
+    """``derive_seed(seed, *prefix, *rest)`` for a fixed prefix, at the cost of one hash copy.
+
+    Produces exactly ``derive_seed``'s value (a test checks it): the hash state after the seed,
+    the key count and the prefix keys is computed once and copied for every call. ``n_keys`` is
+    the full key count, prefix included; ``seed`` is not validated (the caller did).
+    """
+
+    __slots__ = ("_hash",)
+
+    def __init__(self, seed: int, prefix: tuple[int | str, ...], n_keys: int) -> None:
+        h = _start(seed, n_keys)
+        for key in prefix:
+            h.update(_encode_key(key))
+        self._hash = h
+
+    def __call__(self, *rest: int | str) -> int:
+        h = self._hash.copy()
+        for key in rest:
+            h.update(_encode_key(key))
+        return int.from_bytes(h.digest(), "little")
+
+    def one(self, key: int) -> int:
+        """``self(key)`` for one int key (through ``many``)."""
+        return self.many((key,))[0]
+
+    def many(self, keys: Iterable[int]) -> list[int]:
+        """``[self(key) for key in keys]`` for int keys (the per-sample hot path: one call per
+        batch, ``_encode_key``'s header looked up for lengths up to 8 bytes)."""
+        base, heads, from_bytes = self._hash, _INT_HEADS, int.from_bytes
+        seeds: list[int] = []
+        append = seeds.append
+        for key in keys:
+            h = base.copy()
+            length = (key.bit_length() + 8) >> 3  # room for the sign bit
+            head = heads[length] if length < len(heads) else _int_head(length)
+            h.update(head + key.to_bytes(length, "little", signed=True))
+            append(from_bytes(h.digest(), "little"))
+        return seeds
 
 
 def _numpy_seed_words(seed: int) -> list[int]:

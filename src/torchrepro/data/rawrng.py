@@ -1,21 +1,32 @@
 """Global RNG states read and written in place: Python's ``random`` and NumPy's legacy RNG.
 
+This module reads and writes interpreter memory: with ``ctypes`` it copies bytes out of and
+back into CPython's ``random.Random`` object and NumPy's ``RandomState`` and ``MT19937`` bit
+generator, at addresses it finds itself. ``set_raw_access(False)`` turns that off: every state is
+then read and written through the libraries' APIs (``random.getstate``/``setstate``, NumPy's
+``get_state``/``set_state``), with the same values, only slower.
+
 ``SeededLoader`` saves, checks and puts back these states around every batch it loads in the
 main process. Through the libraries' APIs that costs more than loading a light batch
 (``random.getstate`` builds a 625-int tuple, ~9 us; NumPy's ``get_state``/``set_state`` 30+ us
 each way). Both are Mersenne Twisters kept in C structs, so their bytes are copied instead.
 
 Invariants:
+- Memory is read or written only while ``raw_access()`` is true (the default); with it false no
+  address is looked up, read or written, and every call goes through the library's API. The
+  setting belongs to the process: forked workers inherit it, and a ``SeededLoader``'s dataset
+  view carries it into spawned workers.
 - A layout is never assumed: it is found once per RNG object by setting known values through
   the library's API, then checked by a full round trip (a raw save, draws that wrap the state, a
   raw restore must give back exactly the state the API reports). Wherever that fails (another
   interpreter, another NumPy, a patched module), the library's own API is used.
-- A raw state is only written back into the object it was read from; a state saved from an
-  object that was replaced meanwhile goes back through the API, values intact.
+- A raw state is only written back into the object it was read from, while raw access is on; a
+  state saved from an object that was replaced meanwhile (or saved before raw access was turned
+  off) goes back through the API, values intact.
 - ``token`` (position, first and last word of the state; Python's also its cached gaussian)
   changes whenever the RNG is seeded or its state is drawn from, at a fraction of a full save.
   NumPy's cached gaussian is left out: a seed clears it, so the first draw after one moves the
-  state.
+  state. A token taken with raw access on never equals one taken with it off.
 """
 
 from __future__ import annotations
@@ -26,7 +37,36 @@ import struct
 import sys
 from typing import Any
 
+__all__ = ["raw_access", "set_raw_access"]
+
 _MT_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624], then int pos
+
+_raw_access = True
+
+
+def set_raw_access(enabled: bool) -> bool:
+    """Let ``SeededLoader`` copy the global RNG states of Python and NumPy as raw bytes in memory
+    (``True``, the default), or only go through ``random.getstate``/``setstate`` and NumPy's
+    ``get_state``/``set_state`` (``False``: no memory is read or written with ``ctypes``; the
+    same batches and draws, a few tens of microseconds more per batch). Returns the previous
+    setting. It applies to this process, its forked workers and the workers it spawns afterwards.
+
+    >>> previous = set_raw_access(False)
+    >>> raw_access()
+    False
+    >>> set_raw_access(previous)
+    False
+    """
+    global _raw_access
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_raw_access expects a bool, got {type(enabled).__name__} {enabled!r}.")
+    previous, _raw_access = _raw_access, enabled
+    return previous
+
+
+def raw_access() -> bool:
+    """Whether global RNG states may be read and written in memory (see ``set_raw_access``)."""
+    return _raw_access
 
 
 class _RawNumpyState:
@@ -47,7 +87,7 @@ class _NumpyMT:
     bit generator's documented ``ctypes.state_address``, and the legacy ``RandomState``'s cached
     gaussian (``has_gauss``, ``gauss``), whose place in the object is found once per object by
     setting known values through the API, then checked by a full round trip; wherever that
-    fails, NumPy's own ``get_state``/``set_state`` are used.
+    fails, and while raw access is off, NumPy's own ``get_state``/``set_state`` are used.
     """
 
     def __init__(self) -> None:
@@ -57,6 +97,8 @@ class _NumpyMT:
         self.gauss_at: int | None = None  # offset of (int has_gauss, double gauss) in random_state
 
     def _attach(self, np: Any) -> Any:
+        if not _raw_access:
+            return None
         random_state = np.random.get_state.__self__  # the RandomState np.random.* draw from
         bit_generator = random_state._bit_generator
         if bit_generator is not self.bit_generator or random_state is not self.random_state:
@@ -174,7 +216,8 @@ class _PythonMT:
     instance (a state of known words set through ``setstate`` and located in its bytes, then a
     round trip checked), and checked against the global object's ``getstate()`` read-only.
     ``save``/``restore`` cost ~0.5 us instead of ``getstate``/``setstate``'s ~11 us (a
-    625-int tuple built and parsed), ``token`` ~0.2 us.
+    625-int tuple built and parsed), ``token`` ~0.2 us. Wherever the layout is not found, and
+    while raw access is off, ``random.getstate``/``setstate`` are used.
     """
 
     def __init__(self) -> None:
@@ -183,6 +226,8 @@ class _PythonMT:
         self.offsets: dict[type, int | None] = {}
 
     def _attach(self) -> Any:
+        if not _raw_access:
+            return None
         inst = getattr(random.random, "__self__", None)
         if inst is not self.inst:
             self.inst, self.words = inst, None

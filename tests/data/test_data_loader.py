@@ -1,4 +1,4 @@
-"""SeededLoader and sample_rng: invariance to how batches are loaded, resume, shards, errors.
+"""SeededLoader: invariance to how batches are loaded, resume, arguments, loop shapes.
 
 Every invariance claim has a negative control showing that a plain DataLoader differs.
 Datasets are tiny; worker processes are real (fork, and spawn once).
@@ -7,84 +7,24 @@ Datasets are tiny; worker processes are real (fork, and spawn once).
 from __future__ import annotations
 
 import json
-import random
-import socket
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from dataloading import Draws, assert_same_states, collate_with_draw, global_states, order, passes, same
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchrepro
-from torchrepro import DataLoaderStateError, ReproError, SeededLoader, derive_seed, sample_rng
-from torchrepro import data as data_module
-from torchrepro.data import LoaderConfigError, UnsupportedDatasetError, _Deriver
+from torchrepro import DataLoaderStateError, ReproError, SeededLoader
+from torchrepro.data import LoaderConfigError, UnsupportedDatasetError
 
 many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
 no_accelerator = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
 
-
-# -- datasets (module level: spawn workers import them) ---------------------------------------
-
-
-class Draws(Dataset[torch.Tensor]):
-    """Sample i: [i, and one draw from every RNG a dataset may use]."""
-
-    def __init__(self, n: int = 23, *, use_sample_rng: bool = True) -> None:
-        self.n = n
-        self.use_sample_rng = use_sample_rng
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        extra = [sample_rng().random()] if self.use_sample_rng else []
-        draws = [random.random(), float(np.random.rand()), float(torch.rand(()))]
-        return torch.tensor([float(index), *draws, *extra], dtype=torch.float64)
-
-
-class Compose:
-    def __init__(self, transforms: list[Any]) -> None:
-        self.transforms = transforms
-
-
-class HeldGenerators(Dataset[torch.Tensor]):
-    """Draws from RNG objects made in __init__: every worker gets a copy of them."""
-
-    def __init__(self, n: int = 16) -> None:
-        self.n = n
-        self.np_rng = np.random.default_rng(0)
-        self.torch_gen = torch.Generator().manual_seed(0)
-        self.transform = Compose([random.Random(0)])  # found inside a transform pipeline too
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        draws = [
-            float(self.np_rng.random()),
-            float(torch.rand((), generator=self.torch_gen)),
-            self.transform.transforms[0].random(),
-        ]
-        return torch.tensor([float(index), *draws], dtype=torch.float64)
-
-
-class Batched(Dataset[torch.Tensor]):
-    """Loads whole batches through __getitems__."""
-
-    def __len__(self) -> int:
-        return 20
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        raise AssertionError("SeededLoader should call __getitems__")
-
-    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
-        return [torch.tensor([float(i), float(torch.rand(()))], dtype=torch.float64) for i in indices]
+# -- datasets (module level: spawn workers import them) --------------------------------------------
 
 
 class Stream(IterableDataset[int]):
@@ -92,32 +32,32 @@ class Stream(IterableDataset[int]):
         return iter(range(3))
 
 
-def collate_with_draw(samples: list[torch.Tensor]) -> torch.Tensor:
-    """A collate_fn that draws: its draw must be keyed by (seed, epoch, batch index)."""
-    batch = torch.stack(samples)
-    return torch.cat([batch, torch.rand(len(samples), 1, dtype=torch.float64)], dim=1)
+class Counting(Dataset[int]):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        self.loaded.append(index)
+        return index
 
 
-def passes(loader: Any, epochs: int = 2) -> list[torch.Tensor]:
-    return [batch for _ in range(epochs) for batch in loader]
+class Indexed(Dataset[torch.Tensor]):
+    """Sample i: [i, a torch draw]; raises on anything but an int index (as a user's dataset would)."""
+
+    def __len__(self) -> int:
+        return 18
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not isinstance(index, int):
+            raise IndexError(f"expected an int index, got {index!r}")
+        return torch.tensor([float(index), float(torch.rand(()))], dtype=torch.float64)
 
 
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    pairs = zip(a, b, strict=False)
-    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
-
-
-def global_states() -> tuple[Any, ...]:
-    return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def assert_same_states(a: tuple[Any, ...], b: tuple[Any, ...]) -> None:
-    assert a[0] == b[0]
-    assert a[1][0] == b[1][0] and np.array_equal(a[1][1], b[1][1]) and a[1][2:] == b[1][2:]
-    assert torch.equal(a[2], b[2])
-
-
-# -- invariance --------------------------------------------------------------------------------
+# -- invariance ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -178,27 +118,7 @@ def test_negative_control_plain_dataloader_depends_on_num_workers(rng_changes_ok
     assert not same(a, b)  # ...but different augmentation
 
 
-def test_rng_objects_held_by_the_dataset_are_keyed_per_sample(rng_changes_ok: None) -> None:
-    # (the plain DataLoader draws its worker base seed from the global torch RNG)
-    plain = torch.cat(list(DataLoader(HeldGenerators(), batch_size=2, num_workers=2)))
-    by_index = {int(row[0]): row[1:].tolist() for row in plain}
-    assert by_index[0] == by_index[2]  # negative control: each worker repeats the copied stream
-
-    runs = [
-        torch.cat(passes(SeededLoader(HeldGenerators(), batch_size=2, seed=1, num_workers=w))) for w in (0, 2)
-    ]
-    assert torch.equal(runs[0], runs[1])
-    for column in runs[0][:, 1:].T:
-        assert len(set(column.tolist())) == len(column)
-
-
-def test_dataset_with_getitems_is_seeded_per_batch() -> None:
-    a, b = (passes(SeededLoader(Batched(), batch_size=4, seed=0, num_workers=w)) for w in (0, 2))
-    assert same(a, b)
-    assert len({x[1].item() for batch in a for x in batch}) == 40
-
-
-# -- the training loop's RNG ---------------------------------------------------------------------
+# -- the training loop's RNG -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -207,93 +127,6 @@ def test_loading_never_moves_the_global_rng(num_workers: int) -> None:
     batches = passes(SeededLoader(Draws(), batch_size=4, seed=0, num_workers=num_workers), epochs=1)
     assert len(batches) == 6
     assert_same_states(before, global_states())
-
-
-class Gaussians(Dataset[torch.Tensor]):
-    """Legacy NumPy gaussians: an odd count per sample leaves one cached in the RandomState."""
-
-    def __len__(self) -> int:
-        return 9
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(np.random.standard_normal(3 + index % 2))[:3]
-
-
-def test_loading_keeps_the_main_processes_cached_gaussian_and_numpy_state(rng_changes_ok: None) -> None:
-    """NumPy's state is saved as raw bytes around each batch: the gaussian cache must come back."""
-    np.random.seed(11)
-    np.random.standard_normal()  # one gaussian cached (has_gauss = 1)
-    before = global_states()
-    assert before[1][3] == 1
-    expected = np.random.standard_normal(5)  # what the script draws next...
-    np.random.set_state(before[1])
-    batches = passes(SeededLoader(Gaussians(), batch_size=4, seed=0, collate_fn=torch.stack), epochs=1)
-    assert len(batches) == 3
-    assert_same_states(before, global_states())
-    assert np.array_equal(np.random.standard_normal(5), expected)  # ...and still draws
-
-
-def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> None:
-    from torchrepro._rawrng import _numpy_mt, _RawNumpyState
-
-    np.random.seed(5)
-    np.random.standard_normal()
-    reference = np.random.get_state()
-    saved = _numpy_mt.save(np)
-    assert isinstance(saved, _RawNumpyState)  # the fast path is found on this NumPy
-    for draw in (lambda: np.random.standard_normal(7), lambda: np.random.randint(0, 9, 2000)):
-        draw()
-        _numpy_mt.restore(np, saved)
-        assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
-    # a state saved from another RandomState object goes back through NumPy's API, values intact
-    other = _RawNumpyState(np.random.RandomState(0), saved.mt, saved.aug)
-    np.random.seed(6)
-    _numpy_mt.restore(np, other)
-    assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
-
-
-def test_raw_python_state_round_trips_like_pythons_own(rng_changes_ok: None) -> None:
-    from torchrepro._rawrng import _python_mt, _RawPythonState
-
-    random.seed(5)
-    random.gauss(0.0, 1.0)  # one gaussian cached in gauss_next
-    reference = random.getstate()
-    saved = _python_mt.save()
-    assert isinstance(saved, _RawPythonState)  # the fast path is found on this interpreter
-    token = _python_mt.token()
-    draws = (lambda: random.random(), lambda: random.gauss(0.0, 1.0), lambda: random.getrandbits(32 * 624))
-    for draw in draws:
-        draw()
-        assert _python_mt.token() != token  # every kind of draw is seen (the cached gaussian too)
-        _python_mt.restore(saved)
-        assert random.getstate() == reference
-        assert _python_mt.token() == token
-    # a state saved from another Random object goes back through the API, values intact
-    other = _RawPythonState(random.Random(0), saved.mt, saved.gauss_next)
-    random.seed(6)
-    _python_mt.restore(other)
-    assert random.getstate() == reference
-
-
-def test_python_state_falls_back_to_the_api_for_a_replaced_random(
-    monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
-) -> None:
-    """A module whose functions are not bound to a stock Random is saved through getstate."""
-    from torchrepro._rawrng import _PythonMT
-
-    class Patched(random.Random):
-        pass
-
-    inst = Patched(3)
-    for name in ("random", "getstate", "setstate"):
-        monkeypatch.setattr(random, name, getattr(inst, name))
-    python_mt = _PythonMT()
-    saved = python_mt.save()
-    assert saved == inst.getstate()
-    inst.random()
-    assert python_mt.token() != saved
-    python_mt.restore(saved)
-    assert inst.getstate() == saved
 
 
 def test_extra_validation_pass_does_not_shift_training(rng_changes_ok: None) -> None:
@@ -319,131 +152,7 @@ def test_extra_validation_pass_does_not_shift_training(rng_changes_ok: None) -> 
     assert not same(train(plain, validate=False), train(plain, validate=True))  # negative control
 
 
-# -- order, epochs, shards --------------------------------------------------------------------
-
-
-def order(loader: SeededLoader) -> list[int]:
-    return [int(i) for batch in loader for i in batch]
-
-
-def test_order_is_a_pure_function_of_seed_and_epoch(rng_changes_ok: None) -> None:
-    a = SeededLoader(list(range(50)), batch_size=8, seed=5)
-    first = order(a)
-    torch.manual_seed(123)  # the global RNG does not matter
-    b = SeededLoader(list(range(50)), batch_size=8, seed=5)
-    assert order(b) == first
-    assert a.epoch == b.epoch == 0
-    second = order(a)  # each new pass is the next epoch
-    assert a.epoch == 1 and second != first and sorted(second) == list(range(50))
-    c = SeededLoader(list(range(50)), batch_size=8, seed=5)
-    c.set_epoch(1)
-    assert order(c) == second
-    assert order(SeededLoader(list(range(50)), batch_size=8, seed=6)) != first
-    assert order(SeededLoader(list(range(50)), batch_size=8, seed=5, shuffle=False)) == list(range(50))
-
-
-@pytest.mark.parametrize(
-    ("n", "world_size", "drop_last"), [(12, 3, False), (10, 3, False), (10, 3, True), (2, 4, False)]
-)
-def test_rank_shards_are_disjoint_and_cover_the_dataset(n: int, world_size: int, drop_last: bool) -> None:
-    for epoch in (0, 1):
-        shards = []
-        for rank in range(world_size):
-            loader = SeededLoader(
-                list(range(n)), batch_size=1, seed=0, rank=rank, world_size=world_size, drop_last=drop_last
-            )
-            loader.set_epoch(epoch)
-            shards.append(order(loader))
-        sizes = {len(s) for s in shards}
-        assert len(sizes) == 1  # every rank gets as many samples (and batches)
-        flat = [i for s in shards for i in s]
-        if drop_last:  # the uneven tail is dropped: disjoint, all but n % world_size covered
-            assert len(set(flat)) == len(flat) == n - n % world_size
-        else:  # padded with the first indices: covering, only the padding repeats
-            assert set(flat) == set(range(n))
-            assert len(flat) - len(set(flat)) == -n % world_size
-
-
-def test_rank_and_world_size_come_from_torch_distributed() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        state = SeededLoader(list(range(10)), batch_size=2, seed=0).state_dict()
-        assert (state["rank"], state["world_size"]) == (0, 1)
-    finally:
-        dist.destroy_process_group()
-
-
-# -- per-sample keys -----------------------------------------------------------------------------
-
-
-class Keys(Dataset[torch.Tensor]):
-    def __len__(self) -> int:
-        return 6
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        first, again = sample_rng(), sample_rng()
-        assert first is again  # one generator per sample: two calls never repeat draws
-        return torch.tensor([index, torch.initial_seed(), first.integers(2**62)], dtype=torch.float64).to(
-            torch.float64
-        )
-
-
-def test_sample_keys_are_derive_seed_of_seed_epoch_index() -> None:
-    loader = SeededLoader(Keys(), batch_size=3, seed=9, collate_fn=list)
-    for epoch in (0, 1):
-        for batch in loader:
-            for index, initial, drawn in (t.tolist() for t in batch):
-                key = derive_seed(9, "sample", epoch, int(index))
-                assert initial == float(key)
-                assert drawn == float(np.random.default_rng(key).integers(2**62))
-
-
-def test_globals_are_seeded_as_by_the_public_calls() -> None:
-    """The fast per-sample seeding leaves the state random.seed / np.random.seed / manual_seed give."""
-    loader = SeededLoader(Draws(5, use_sample_rng=False), batch_size=5, seed=4, shuffle=False)
-    (batch,) = list(loader)
-    for index, py, npy, th in batch.tolist():
-        key = derive_seed(4, "sample", 0, int(index))
-        assert py == random.Random(key).random()
-        assert npy == np.random.RandomState(key >> 32).rand()
-        assert th == float(torch.rand((), generator=torch.Generator().manual_seed(key)))
-
-
-def test_collate_is_keyed_by_batch(rng_changes_ok: None) -> None:
-    batches = list(SeededLoader(Draws(8), batch_size=4, seed=2, collate_fn=collate_with_draw))
-    for b, batch in enumerate(batches):
-        torch.default_generator.manual_seed(derive_seed(2, "batch", 0, b))
-        expected = torch.rand(4, 1, dtype=torch.float64)
-        assert torch.equal(batch[:, -1:], expected)
-
-
-def test_sample_rng_outside_a_loader_raises() -> None:
-    with pytest.raises(ReproError, match="outside a sample being loaded by a SeededLoader"):
-        sample_rng()
-
-
-@settings(max_examples=50)
-@given(
-    st.integers(0, 2**64 - 1),
-    st.integers(0, 10**6),
-    st.integers(0, 2**80),  # past 8 bytes too (the header is computed, not looked up)
-)
-def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
-    assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
-    assert _Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
-    keys = [index, index // 3, 0, 2**63 - 1, 2**63]
-    assert _Deriver(seed, ("sample", epoch), 3).many(keys) == [
-        derive_seed(seed, "sample", epoch, key) for key in keys
-    ]
-    assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
-        seed, "object", epoch, index, "a.0"
-    )
-
-
-# -- resume ------------------------------------------------------------------------------------
+# -- resume ----------------------------------------------------------------------------------------
 
 
 def test_resume_in_process_continues_exactly(reference: list[torch.Tensor]) -> None:
@@ -473,19 +182,6 @@ def test_resume_in_process_continues_exactly(reference: list[torch.Tensor]) -> N
         assert (state["epoch"], state["batches_consumed"], state["finished"]) == (*stop, False)
     assert same(got, reference)
     assert passes == 6  # one pass per resume, plus epoch 0's empty rest after the stop at (0, 6)
-
-
-class Counting(Dataset[int]):
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.loaded: list[int] = []
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, index: int) -> int:
-        self.loaded.append(index)
-        return index
 
 
 def test_resume_skips_by_index_without_loading_skipped_samples() -> None:
@@ -574,7 +270,7 @@ def test_malformed_state_is_rejected(change: dict[str, Any], message: str) -> No
         loader.load_state_dict([1, 2])  # type: ignore[arg-type]
 
 
-# -- arguments ---------------------------------------------------------------------------------
+# -- arguments -------------------------------------------------------------------------------------
 
 
 def test_is_a_dataloader_and_keeps_the_users_dataset(rng_changes_ok: None) -> None:
@@ -632,7 +328,7 @@ def test_config_errors_are_repro_errors() -> None:
     assert issubclass(UnsupportedDatasetError, ReproError) and issubclass(UnsupportedDatasetError, TypeError)
 
 
-# -- loop shapes: set_epoch after a restore, a checkpoint at an epoch's last batch ---------------
+# -- loop shapes: set_epoch after a restore, a checkpoint at an epoch's last batch -----------------
 
 
 def _epochs(loader: SeededLoader) -> list[tuple[int, list[int]]]:
@@ -713,29 +409,37 @@ def test_a_checkpoint_at_an_epochs_last_batch_resumes_into_its_empty_rest() -> N
     assert legacy.epoch == 1
 
 
-def test_the_sampler_is_a_distributed_sampler_read_at_each_pass() -> None:
-    from torch.utils.data.distributed import DistributedSampler
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_between_iter_and_first_batch_or_after_it(num_workers: int) -> None:
+    """Frameworks (Lightning) create the iterator, then call set_epoch, possibly after their
+    first fetch: the epoch set before the first batch decides the pass, and a set_epoch of the
+    same epoch during a pass leaves that pass counting."""
+    make = lambda: SeededLoader(list(range(12)), batch_size=4, seed=4, num_workers=num_workers)  # noqa: E731
+    reference = make()
+    epochs = [order(reference) for _ in range(3)]
 
-    loader = SeededLoader(list(range(10)), batch_size=2, seed=0)
-    sampler: Any = loader.sampler
-    assert isinstance(sampler, DistributedSampler)
-    assert (sampler.rank, sampler.num_replicas, sampler.num_samples, sampler.shuffle) == (0, 1, 10, True)
-    fixed: Any = SeededLoader(list(range(10)), batch_size=2, seed=0, rank=1, world_size=3).sampler
-    assert (fixed.rank, fixed.num_replicas, fixed.num_samples, fixed.total_size) == (1, 3, 4, 12)
-    with pytest.raises(LoaderConfigError, match=r"use_distributed_sampler=False"):
-        SeededLoader(list(range(10)), batch_size=2, seed=0, sampler=DistributedSampler(range(10), 1, 0))
+    loader = make()
+    it = iter(loader)
+    loader.set_epoch(2)  # before the first batch: the pass is epoch 2 (workers start at iter())
+    assert [int(i) for batch in it for i in batch] == epochs[2]
+
+    live = make()
+    it = iter(live)
+    first = [int(i) for i in next(it)]
+    live.set_epoch(0)  # during the pass, same epoch: it goes on counting
+    rest = [int(i) for batch in it for i in batch]
+    assert first + rest == epochs[0]
+    assert (live.state_dict()["batches_consumed"], live.state_dict()["finished"]) == (3, True)
+
+    restored = make()
+    state = {**live.state_dict(), "batches_consumed": 1, "finished": False}
+    restored.load_state_dict(state)
+    it = iter(restored)
+    restored.set_epoch(0)  # the restored epoch: continue after the restored batch
+    assert [int(i) for batch in it for i in batch] == epochs[0][4:]
 
 
-class Indexed(Dataset[torch.Tensor]):
-    """Sample i: [i, a torch draw]; raises on anything but an int index (as a user's dataset would)."""
-
-    def __len__(self) -> int:
-        return 18
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        if not isinstance(index, int):
-            raise IndexError(f"expected an int index, got {index!r}")
-        return torch.tensor([float(index), float(torch.rand(()))], dtype=torch.float64)
+# -- frameworks: a loader rebuilt from its parts or its attributes ---------------------------------
 
 
 def rebuilt(loader: SeededLoader, **kwargs: Any) -> DataLoader[Any]:
@@ -801,80 +505,3 @@ def test_a_seededloader_rebuilt_from_its_attributes_keeps_its_batches() -> None:
     )
     assert again.seed == 5 and again.source_dataset is original.source_dataset
     assert same(passes(again), reference)
-
-
-# -- lazily seeded globals: only the RNGs a dataset draws from, never a different result -------
-
-
-class Sometimes(Dataset[torch.Tensor]):
-    """Draws from NumPy only from index 12 on and from Python's random only for odd indices
-    (a process learns, from the first batches, that the dataset does not draw from them)."""
-
-    def __len__(self) -> int:
-        return 24
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        a = float(np.random.rand()) if index >= 12 else -1.0
-        b = random.random() if index % 2 else -1.0
-        return torch.tensor([float(index), a, b], dtype=torch.float64)
-
-
-def expected_sometimes(seed: int, epoch: int, index: int) -> list[float]:
-    """What a sample is when every global RNG is seeded from its key, computed by hand."""
-    key = derive_seed(seed, "sample", epoch, index)
-    np.random.seed(key >> 32)
-    random.seed(key)
-    a = float(np.random.rand()) if index >= 12 else -1.0
-    b = random.random() if index % 2 else -1.0
-    return [float(index), a, b]
-
-
-@pytest.mark.parametrize("config", [{"num_workers": 0}, {"num_workers": 2, "persistent_workers": True}])
-def test_lazily_seeded_globals_give_every_sample_its_keyed_draws(
-    config: dict[str, Any], rng_changes_ok: None
-) -> None:
-    loader = SeededLoader(Sometimes(), batch_size=4, seed=11, shuffle=False, **config)
-    for epoch in range(2):
-        for batch in loader:
-            for row in batch.tolist():
-                assert row == expected_sometimes(11, epoch, int(row[0])), (epoch, row)
-
-
-def test_lazy_seeding_is_load_bearing(monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None) -> None:
-    """Negative control: without the check after each batch (nothing seen drawn), the samples
-    that draw from an RNG the process stopped seeding get draws that are not theirs."""
-    monkeypatch.setattr(data_module, "_changed", lambda which, before, np: 0)
-    loader = SeededLoader(Sometimes(), batch_size=4, seed=11, shuffle=False)
-    rows = [row for batch in loader for row in batch.tolist()]
-    wrong = [row for row in rows if row != expected_sometimes(11, 0, int(row[0]))]
-    assert wrong and all(row[0] >= 12 or row[0] % 2 for row in wrong)
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_set_epoch_between_iter_and_first_batch_or_after_it(num_workers: int) -> None:
-    """Frameworks (Lightning) create the iterator, then call set_epoch, possibly after their
-    first fetch: the epoch set before the first batch decides the pass, and a set_epoch of the
-    same epoch during a pass leaves that pass counting."""
-    make = lambda: SeededLoader(list(range(12)), batch_size=4, seed=4, num_workers=num_workers)  # noqa: E731
-    reference = make()
-    epochs = [order(reference) for _ in range(3)]
-
-    loader = make()
-    it = iter(loader)
-    loader.set_epoch(2)  # before the first batch: the pass is epoch 2 (workers start at iter())
-    assert [int(i) for batch in it for i in batch] == epochs[2]
-
-    live = make()
-    it = iter(live)
-    first = [int(i) for i in next(it)]
-    live.set_epoch(0)  # during the pass, same epoch: it goes on counting
-    rest = [int(i) for batch in it for i in batch]
-    assert first + rest == epochs[0]
-    assert (live.state_dict()["batches_consumed"], live.state_dict()["finished"]) == (3, True)
-
-    restored = make()
-    state = {**live.state_dict(), "batches_consumed": 1, "finished": False}
-    restored.load_state_dict(state)
-    it = iter(restored)
-    restored.set_epoch(0)  # the restored epoch: continue after the restored batch
-    assert [int(i) for batch in it for i in batch] == epochs[0][4:]
