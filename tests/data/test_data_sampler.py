@@ -3,7 +3,6 @@ DistributedSampler that reads rank and world size when each pass starts."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 from dataloading import order
 
+from helpers import free_port
 from torchrepro import SeededLoader
 from torchrepro.data import LoaderConfigError
 
@@ -56,10 +56,7 @@ def test_rank_shards_are_disjoint_and_cover_the_dataset(n: int, world_size: int,
 
 
 def test_rank_and_world_size_come_from_torch_distributed() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         state = SeededLoader(list(range(10)), batch_size=2, seed=0).state_dict()
         assert (state["rank"], state["world_size"]) == (0, 1)
