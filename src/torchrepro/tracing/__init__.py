@@ -15,8 +15,9 @@ Invariants:
   is overwritten) are never digested as data. In-place and ``out=`` writes, and the hidden running
   statistics update of batch norm, are digested after the op as outputs.
 - Trace files are JSON, written atomically; recording changes no numerics and no RNG state.
-- One module per job: ``events`` (plain data, no torch), ``sites`` (attribution), ``dispatch``
-  (the dispatch mode and the observer base), ``recorder`` (``OpRecorder``), ``tracer`` (digests,
+- One module per job: ``ops`` (plain data of op events and trace files, no torch), ``sites``
+  (attribution), ``dispatch`` (the dispatch mode and the observer base), ``oprecorder``
+  (``OpRecorder``: op names for the audit, no digests), ``tracer`` (digests,
   ``Tracer``, ``trace``), ``compare`` (reading and comparing trace files, no torch). Submodules load
   lazily on first use of a public name: importing this package imports none of them.
 """
@@ -29,16 +30,16 @@ from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from torchrepro.tracing.compare import compare_traces
-    from torchrepro.tracing.events import OpDivergence, OpEvent
-    from torchrepro.tracing.recorder import OpRecorder
+    from torchrepro.tracing.oprecorder import OpRecorder
+    from torchrepro.tracing.ops import OpDivergence, OpEvent
     from torchrepro.tracing.tracer import Tracer, trace
 
 __all__ = ["OpDivergence", "OpEvent", "OpRecorder", "Tracer", "compare_traces", "trace"]
 
 _SUBMODULES: dict[str, str] = {
-    "OpDivergence": "events",
-    "OpEvent": "events",
-    "OpRecorder": "recorder",
+    "OpDivergence": "ops",
+    "OpEvent": "ops",
+    "OpRecorder": "oprecorder",
     "Tracer": "tracer",
     "compare_traces": "compare",
     "trace": "tracer",

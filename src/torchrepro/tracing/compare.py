@@ -17,7 +17,7 @@ import os
 from typing import Final
 
 from torchrepro.errors import TraceError
-from torchrepro.tracing.events import (
+from torchrepro.tracing.ops import (
     _COLLECTIVE_NAMESPACES,
     _FORMAT,
     _FORMAT_VERSION,

@@ -2,7 +2,7 @@
 
 Invariants:
 - torch's dispatch internals (``TorchDispatchMode``, the current dispatch mode) are imported here
-  only; nothing outside ``torchrepro.tracing`` imports them, and ``events`` and ``compare`` do not
+  only; nothing outside ``torchrepro.tracing`` imports them, and ``ops`` and ``compare`` do not
   import this module.
 - The mode hands every op to its observer's ``_dispatch``; it changes no numerics and no RNG state.
 - Observers stop in the reverse order of starting; ``start`` and ``stop`` install and remove the

@@ -6,7 +6,7 @@ Invariants:
   ``empty_like``, ... and whatever is computed from it before it is overwritten) are never digested
   as data. In-place and ``out=`` writes, and the hidden running statistics update of batch norm, are
   digested after the op as outputs.
-- Trace files are JSON (format and version from ``events``, the digest algorithm from
+- Trace files are JSON (format and version from ``ops``, the digest algorithm from
   ``hashing.EXACT_DIGEST``), written atomically; tracing changes no numerics and no RNG state; ops
   inside ``paused()`` are not traced.
 - Data loading is never part of the op stream two traces align: ops of DataLoader fetches (the
@@ -37,7 +37,7 @@ from torchrepro.errors import TraceError
 from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
-from torchrepro.tracing.events import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
+from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
 
 # Tokens that stand for values that are not data.
 _UNINIT: Final = "uninit"

@@ -16,7 +16,7 @@ import torch
 
 from torchrepro.hashing import fingerprinting
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
-from torchrepro.tracing.events import OpEvent
+from torchrepro.tracing.ops import OpEvent
 
 # --------------------------------------------------------------------------------------------
 # OpRecorder: which ops ran, where (for audit)
