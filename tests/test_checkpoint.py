@@ -21,6 +21,7 @@ import torchrepro
 from torchrepro import CheckpointError, ReproWarning, fingerprint, latest_checkpoint, load_checkpoint
 from torchrepro import save_checkpoint as save
 from torchrepro._io import TMP_SUFFIX
+from torchrepro.checkpoint.format import _digest
 
 pytestmark = pytest.mark.usefixtures("rng_changes_ok")  # building modules draws from the torch RNG
 
@@ -518,9 +519,7 @@ def test_gradients_that_do_not_fit_change_nothing(tmp_path: Path) -> None:
     save(tmp_path / "g.pt", model=model)
     payload = torch.load(tmp_path / "g.pt", weights_only=True)
     payload["objects"]["model"]["grads"]["4.weight"] = torch.zeros(3, 3)
-    payload["objects"]["model"]["grads_digest"] = torchrepro.checkpoint._digest(
-        payload["objects"]["model"]["grads"], "model"
-    )
+    payload["objects"]["model"]["grads_digest"] = _digest(payload["objects"]["model"]["grads"], "model")
     torch.save(payload, tmp_path / "bad.pt")
     target = make_model()
     before = fingerprint(target)
