@@ -23,7 +23,7 @@ CASES = {
     "torch + torchrepro": "import torchrepro",
     "torch + torchrepro.seeding": "import torchrepro.seeding",
     "torch + torchrepro.data": "from torchrepro.data import SeededLoader",
-    "torch + torchrepro.checkpoint": "import torchrepro.checkpoint",
+    "torch + torchrepro.checkpoint": "from torchrepro.checkpoint import load_checkpoint, save_checkpoint",
     "torch + torchrepro.trace (tracing)": "import torchrepro; torchrepro.trace",
 }
 
