@@ -8,7 +8,7 @@ Invariants:
 - ``Environment.to_dict()`` is plain JSON; ``Environment.from_dict`` accepts what any version
   wrote (missing fields are ``None``, unknown fields are kept in ``extra``) and refuses, with an
   ``EnvFileError``, anything else: a non-object, a known field of the wrong type, values that are
-  not strict JSON (NaN, infinities, nesting deeper than ``runrecord.MAX_JSON_DEPTH``...). So
+  not strict JSON (NaN, infinities, nesting deeper than ``_jsonread.MAX_JSON_DEPTH``...). So
   ``load_env`` raises nothing but ``EnvFileError`` (naming the file), and ``diff_env`` of two
   loaded environments never fails, whatever the fields nested inside them hold.
 - ``diff_env`` reports every difference, each classified once, by the table ``_RULES`` below, as
@@ -40,7 +40,8 @@ import torch
 from torchrepro._child.spec import ENV_PREFIX, LOCATION_VARIABLES
 from torchrepro._version import __version__
 from torchrepro.errors import EnvFileError
-from torchrepro.runrecord import ENV_FILE, json_problem, parse_json
+from torchrepro._jsonread import json_problem, parse_json
+from torchrepro.runrecord import ENV_FILE
 
 __all__ = ["EnvDifference", "Environment", "collect_env", "diff_env", "load_env"]
 
