@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrepro import runrecord
+from torchrepro._jsonread import read_json
 from torchrepro.errors import EnvFileError, ReproError
 from torchrepro.runrecord import (
     COMMAND_FILE,
@@ -24,12 +25,9 @@ from torchrepro.runrecord import (
     EventTail,
     RunSettings,
     events_path,
-    json_problem,
     load_run,
     new_run_dir,
-    parse_json,
     read_events,
-    read_json,
     trace_path,
     trace_prefix,
     write_env,
@@ -178,13 +176,6 @@ def test_damaged_events_line_names_the_events_file(tmp_path: Path) -> None:
     with pytest.raises(EnvFileError, match="cannot read events file") as info:
         load_run(tmp_path)
     assert str(path) in str(info.value)
-
-
-def test_read_json_error_names_the_file(tmp_path: Path) -> None:
-    with pytest.raises(EnvFileError, match="cannot read"):
-        read_json(tmp_path / "missing.json")
-    (tmp_path / "ok.json").write_text('{"a": 1}')
-    assert read_json(tmp_path / "ok.json") == {"a": 1}
 
 
 # --- traces ---------------------------------------------------------------------------------------
@@ -416,41 +407,6 @@ def test_event_tail_recovers_when_a_malformed_file_is_rewritten(tmp_path: Path) 
 
 
 # --- malformed JSON files -------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("content", "problem"),
-    [
-        (b'{"seed": NaN}', "NaN or an infinity"),
-        (b'{"seed": -Infinity}', "NaN or an infinity"),
-        (b'{"seed": 1e999}', "NaN or an infinity"),
-        (b'{"seed": ' + b"9" * 5000 + b"}", "an integer of 5000 digits"),
-        (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "nested deeper than"),
-        (b"[" * 101 + b"]" * 101, "nested deeper than 100 levels"),
-        (b'{"x": "\\udc80"}', "not Unicode text"),
-        (b'{"x": 1', "not valid JSON"),
-        (b"\xff\xfe{}", "not UTF-8 text"),
-    ],
-)
-def test_read_json_refuses_what_is_not_strict_json(tmp_path: Path, content: bytes, problem: str) -> None:
-    path = tmp_path / "f.json"
-    path.write_bytes(content)
-    with pytest.raises(EnvFileError, match=f"cannot read {re.escape(str(path))}: ") as info:
-        read_json(path)
-    assert problem in str(info.value) and "\n" not in str(info.value)
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        parse_json(content)
-
-
-def test_parse_json_accepts_strict_json_and_nan_only_when_asked() -> None:
-    deep = "[" * 100 + "]" * 100  # exactly the limit
-    assert parse_json(deep) is not None
-    assert parse_json('{"a": [1, 2.5, "\\u00e9", null, true]}') == {"a": [1, 2.5, "é", None, True]}
-    assert math.isnan(parse_json("[NaN]", allow_nan=True)[0])
-    assert (
-        json_problem({"a": [math.inf]}) is not None
-        and json_problem({"a": [math.inf]}, allow_nan=True) is None
-    )
 
 
 @pytest.mark.parametrize("name", [SETTINGS_FILE, ENV_FILE])

@@ -16,13 +16,14 @@ A run record is a directory (``torchrepro run``: ``.torchrepro/runs/<id>/``; ``c
 - ``verdict.json``: a check's verdict, at the top of its check directory.
 
 Invariants: every other module gets these names from here; JSON files are written atomically
-(``_io``). Readers trust nothing they read: anything malformed (not UTF-8, not JSON, NaN or an
-infinity outside an event's values, an integer beyond Python's digit limit, nesting deeper than
-``MAX_JSON_DEPTH``, an event of the wrong shape) is an ``EnvFileError`` naming the file (and,
-for events, the 1-based line) and what is wrong, never another exception; so every value a
-reader returns can be written back as strict JSON. Every complete events line is validated
-(``validate_event``) by both ``read_events`` and the live ``EventTail``; a torn last line (a
-killed run) is ignored. This module imports no torch.
+(``_io``) and read strictly (``_jsonread``; its ``read_json`` is exported here too, for the parts
+that read a record's files). Readers trust nothing they read: anything malformed (not UTF-8, not
+JSON, NaN or an infinity outside an event's values, an integer beyond Python's digit limit,
+nesting deeper than ``_jsonread.MAX_JSON_DEPTH``, an event of the wrong shape) is an
+``EnvFileError`` naming the file (and, for events, the 1-based line) and what is wrong, never
+another exception; so every value a reader returns can be written back as strict JSON. Every
+complete events line is validated (``validate_event``) by both ``read_events`` and the live
+``EventTail``; a torn last line (a killed run) is ignored. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -30,12 +31,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
-import math
 import os
 import re
 import reprlib
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrepro._io import atomic_write_json
+from torchrepro._jsonread import is_text, loads, read_json
 from torchrepro.errors import EnvFileError, LaunchError, SettingsError
 from torchrepro.events import EVENT_KINDS
 
@@ -50,7 +49,6 @@ __all__ = [
     "COMMAND_FILE",
     "ENV_FILE",
     "LOCK_FILE",
-    "MAX_JSON_DEPTH",
     "SETTINGS_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
@@ -61,12 +59,10 @@ __all__ = [
     "RunSettings",
     "claim",
     "events_path",
-    "json_problem",
     "load_run",
     "new_run_dir",
     "new_run_id",
     "ops_path",
-    "parse_json",
     "ranks_present",
     "read_events",
     "read_json",
@@ -92,10 +88,6 @@ TRACE_PREFIX = "trace-step"
 """Op traces in a run record are ``<TRACE_PREFIX><step>.rank<R>``."""
 LOCK_FILE = ".torchrepro-lock"
 """Held (``flock``) by the run writing a record directory; ignored when a directory is checked."""
-
-MAX_JSON_DEPTH = 100
-"""The deepest nesting of arrays and objects a record or environment file may hold (torchrepro
-writes at most 4 levels); deeper is malformed, so no reader ever recurses without bound."""
 
 _MAX_INDEX = 2**63 - 1
 """The largest step or tensor dimension an event may name (an int64, like torch's)."""
@@ -364,109 +356,6 @@ def write_verdict(check_dir: str | os.PathLike[str], verdict: Mapping[str, Any])
     atomic_write_json(Path(check_dir) / VERDICT_FILE, dict(verdict))
 
 
-def _int(text: str) -> int:
-    limit = _int_digit_limit()
-    digits = len(text.lstrip("-"))
-    if 0 < limit < digits:
-        raise ValueError(f"an integer of {digits} digits (more than Python's limit of {limit})")
-    return int(text)
-
-
-def _int_digit_limit() -> int:
-    """Python's limit on the digits of an int converted from or to text (0: none)."""
-    get = getattr(sys, "get_int_max_str_digits", None)  # Python >= 3.10.7
-    return int(get()) if get is not None else 0
-
-
-def _is_text(value: Any) -> bool:
-    """A str that is Unicode text (a lone surrogate escape would break printing it)."""
-    if not isinstance(value, str):
-        return False
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def json_problem(value: Any, *, allow_nan: bool = False) -> str | None:
-    """What keeps ``value`` (parsed JSON, or plain data to be written as JSON) from being strict
-    JSON every reader here accepts; None when nothing does.
-
-    Problems: nesting of arrays/objects deeper than ``MAX_JSON_DEPTH``; a string or key that is not
-    Unicode text (a lone surrogate such as ``"\\ud800"``); NaN or an infinity (unless
-    ``allow_nan``); an integer beyond Python's digit limit (it could not be written back). The walk
-    is iterative, so arbitrarily deep input cannot exhaust the stack.
-    """
-    limit = _int_digit_limit()
-    big = None if limit == 0 else 10**limit
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, str):
-            if not _is_text(item):
-                return f"the string {reprlib.repr(item)} is not Unicode text (a lone surrogate)"
-        elif isinstance(item, float):
-            if not allow_nan and not math.isfinite(item):
-                return f"{item} (NaN or an infinity) is not a JSON number"
-        elif isinstance(item, int) and not isinstance(item, bool):
-            if big is not None and not -big < item < big:
-                return f"an integer of more than {limit} digits (Python's limit)"
-        elif isinstance(item, (dict, list, tuple)):
-            if depth > MAX_JSON_DEPTH:
-                return f"nested deeper than {MAX_JSON_DEPTH} levels"
-            if isinstance(item, dict):
-                stack.extend((k, depth) for k in item)
-                stack.extend((v, depth + 1) for v in item.values())
-            else:
-                stack.extend((v, depth + 1) for v in item)
-    return None
-
-
-def _loads(text: str | bytes) -> Any:
-    """``json.loads`` with every failure a one-line ``ValueError`` (NaN and infinities pass)."""
-    try:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        return json.loads(text, parse_int=_int)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise ValueError(f"not valid JSON: nested deeper than {MAX_JSON_DEPTH} levels") from None
-    except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
-        raise ValueError(f"not valid JSON: {exc.msg} at {where}") from None
-    except ValueError as exc:  # too many digits (``_int``)
-        raise ValueError(f"not valid JSON: {exc}") from None
-
-
-def parse_json(text: str | bytes, *, allow_nan: bool = False) -> Any:
-    """Parse JSON strictly; ``ValueError`` (one line, saying what is wrong) when it is malformed:
-    not UTF-8, not JSON, or not strict JSON (``json_problem``: NaN and infinities only with
-    ``allow_nan``)."""
-    value = _loads(text)
-    problem = json_problem(value, allow_nan=allow_nan)
-    if problem is not None:
-        raise ValueError(f"not valid JSON: {problem}")
-    return value
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """A JSON file's value; ``EnvFileError`` naming the file when it is unreadable or malformed
-    (``parse_json``: strict, no NaN or infinity)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise EnvFileError(f"cannot read {os.fspath(path)}: {exc}") from None
-    try:
-        return parse_json(data)
-    except ValueError as exc:
-        raise EnvFileError(f"cannot read {os.fspath(path)}: {exc}") from None
-
-
 def _read_object(path: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
@@ -496,7 +385,7 @@ def _event_problem(event: Any) -> str | None:
     if not isinstance(kind, str) or kind not in EVENT_KINDS:
         return f"'kind' must be one of {', '.join(EVENT_KINDS)}, got {_show(kind)}"
     for name in ("key", "fp"):
-        if not _is_text(event[name]):
+        if not is_text(event[name]):
             return f"{name!r} must be a string of Unicode text, got {_show(event[name])}"
     if not _is_index(step):
         return f"'step' must be an integer from 0 to 2**63-1, got {_show(step)}"
@@ -517,7 +406,7 @@ def _leaf_problem(leaf: Any) -> str | None:
         if name not in leaf:
             return f"the tensor entry has no {name!r} field"
     for name in ("fp", "dtype"):
-        if not _is_text(leaf[name]):
+        if not is_text(leaf[name]):
             return f"{name!r} must be a string of Unicode text, got {_show(leaf[name])}"
     shape = leaf["shape"]
     if not isinstance(shape, list) or not all(_is_index(n) for n in shape):
@@ -556,7 +445,7 @@ def validate_event(event: Any, *, path: str | os.PathLike[str], line: int) -> di
 
 def _parse_event(raw: bytes, *, path: str | os.PathLike[str], line: int) -> dict[str, Any]:
     try:
-        event = _loads(raw)  # recorded values may be NaN or infinite; validate_event checks the rest
+        event = loads(raw)  # recorded values may be NaN or infinite; validate_event checks the rest
     except ValueError as exc:
         raise EnvFileError(f"cannot read events file {os.fspath(path)}, line {line}: {exc}") from None
     return validate_event(event, path=path, line=line)
