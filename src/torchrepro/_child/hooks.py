@@ -23,8 +23,9 @@ Invariants:
   ``_PROBE_BUDGET_S``, once per dataset object) under global RNG states of its own, then restores
   every global RNG state (Python, NumPy, torch CPU) with op tracing paused: the script's draws
   are unchanged. Side effects of ``__getitem__`` itself (a cache, a counter) cannot be undone.
-- User locations skip torch, torchrepro, the standard library and the frameworks' packages
-  (Lightning, transformers, accelerate): the line shown is the user's.
+- User locations are found by ``torchrepro._frames`` (the walker op tracing uses too): they skip
+  torch, torchrepro, the standard library and the frameworks' packages (Lightning, transformers,
+  accelerate), so the line shown is the user's.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ import re
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 
 from torchrepro import recorder as _recorder
 from torchrepro._child.training import BackwardSteps, ParamNames, optimizer_items
+from torchrepro._frames import Walker
 from torchrepro._io import atomic_write_json
 from torchrepro.flags import DeterminismFlags
 from torchrepro.recorder import Recorder
@@ -287,68 +290,14 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
 # The audit's settings probe
 
 
-_FRAMEWORKS = {
-    "lightning": "lightning",
-    "lightning_fabric": "lightning",
-    "lightning_utilities": "lightning",
-    "pytorch_lightning": "pytorch_lightning",
-    "transformers": "transformers",
-    "accelerate": "accelerate",
-}
-"""Packages whose frames the audit skips to name the user's line -> the framework whose settings
-the findings name."""
+_SITES = Walker()  # made when the child starts: locations are relative to where it was started
 
 
-def _package_dirs(names: Mapping[str, str]) -> list[tuple[str, str]]:
-    """(directory + separator, framework) of each loaded package among ``names``."""
-    out = []
-    for name, framework in names.items():
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            out.append((os.path.normcase(os.path.dirname(os.path.abspath(path))) + os.sep, framework))
-    return out
-
-
-def _user_site(*, outer: bool = True) -> tuple[str | None, str | None]:
-    """``file:line`` of the innermost caller outside torch, torchrepro, the standard library and the
-    frameworks (Lightning, transformers, accelerate), and the framework involved, if any.
-
-    The framework is the one nearest the user's line: the framework frames between it and the
-    call (a loader Lightning or the HF Trainer builds), else the first one further out (a loader
-    the user's ``train_dataloader`` builds while ``trainer.fit`` runs; ``outer=False``: not looked
-    for).
-    """
-    skip = tuple(
-        os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
-        for f in (torch.__file__, os.path.dirname(__file__), os.__file__)
-    )
-    frameworks = _package_dirs(_FRAMEWORKS)
-    location: str | None = None
-    inner: str | None = None
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.normcase(os.path.abspath(frame.f_code.co_filename))
-        framework = next((name for d, name in frameworks if filename.startswith(d)), None)
-        if framework is not None:
-            if location is not None:
-                return location, framework
-            inner = framework
-        elif (
-            location is None
-            and not filename.startswith(skip)
-            and not frame.f_code.co_filename.startswith("<")
-        ):
-            absolute = os.path.abspath(frame.f_code.co_filename)
-            try:
-                rel = os.path.relpath(absolute)
-            except ValueError:
-                rel = absolute
-            location = f"{absolute if rel.startswith('..') else rel}:{frame.f_lineno}"
-            if inner is not None or not frameworks or not outer:
-                return location, inner
-        frame = frame.f_back
-    return location, inner
+def _user_site(frame: FrameType | None = None, *, outer: bool = True) -> tuple[str | None, str | None]:
+    """``file:line`` of the user's line in the stack ``frame`` starts (default: the caller's), and
+    the framework nearest it (see ``_frames.Walker.walk``)."""
+    location, framework, _, _ = _SITES.walk(frame or sys._getframe(1), outer=outer)
+    return location, framework
 
 
 def _user_location() -> str | None:
