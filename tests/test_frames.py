@@ -1,4 +1,5 @@
-"""The one frame walker (``torchrepro._frames``): op tracing and the child's hooks name the same line."""
+"""The one frame walker (``torchrepro._frames``): op tracing and the child's hooks and probe
+(``user_site``) name the same line."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from torchrepro._child.hooks import _user_site
-from torchrepro._frames import Walker
+from torchrepro._frames import Walker, user_site
 from torchrepro.tracing.sites import _Sites
 
 HERE = Path(__file__)
@@ -41,7 +41,7 @@ def framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_tracing_and_the_hooks_name_the_same_user_line_through_a_framework(framework: Any) -> None:
     # one stack (the framework's frame, called from this test's line), shown to both users
-    traced, hooked = framework(lambda frame: (_Sites().user_location(frame), _user_site(frame)))  # fit
+    traced, hooked = framework(lambda frame: (_Sites().user_location(frame), user_site(frame)))  # fit
     assert traced == (_line("fit"), False)  # was the framework's own line, accelerate/loop.py:3
     assert hooked == (_line("fit"), "accelerate")
 

@@ -16,6 +16,8 @@ Invariants:
 - A location is ``file:line``, the path relative to the walker's directory (the current directory
   when the ``Walker`` was made: where torchrepro was started, also after the script changes
   directory) when the file is below it, else absolute.
+- ``user_site`` is the child's hooks' and probe's walker, made when this module is first imported
+  (in the child: before the script runs, so its locations are relative to where it was started).
 - Standard library only; torch is looked up in ``sys.modules``, never imported.
 """
 
@@ -27,7 +29,7 @@ from collections.abc import Collection, Mapping
 from types import CodeType, FrameType
 from typing import Final
 
-__all__ = ["FRAMEWORKS", "Walker"]
+__all__ = ["FRAMEWORKS", "Walker", "user_site"]
 
 FRAMEWORKS: Final[Mapping[str, str]] = {
     "lightning": "lightning",
@@ -172,3 +174,13 @@ class Walker:
                 return _base_kind(frame.f_code)[1]
             frame = frame.f_back
         return None
+
+
+_CHILD = Walker()
+
+
+def user_site(frame: FrameType | None = None, *, outer: bool = True) -> tuple[str | None, str | None]:
+    """``file:line`` of the user's line in the stack ``frame`` starts (default: the caller's) and
+    the framework nearest it, as the child's hooks and probe report them (see :meth:`Walker.walk`)."""
+    location, framework, _, _ = _CHILD.walk(frame or sys._getframe(1), outer=outer)
+    return location, framework

@@ -6,8 +6,9 @@ Configured only by the child protocol (``ChildSpec.from_env()``; see ``_child.sp
   tracebacks) are those of python, and nothing is seeded or switched.
 - A malformed spec ends the child with exit code 2 and one line naming the variable, before the
   script runs.
-- Seeding and switches happen before the first line of the script; hooks (``_child.hooks``) are
-  installed before the script can create an optimizer or a DataLoader.
+- Seeding and switches happen before the first line of the script; hooks (``_child.hooks``, and
+  the audit's ``_child.probe``) are installed before the script can create an optimizer or a
+  DataLoader.
 - The events file is chosen at the first event (``children.RankClaim``): the process group's rank
   if initialised, else ``RANK``, else 0; a rank a script-started process already records is not
   written twice. ``configure`` is shared with the children the script starts (``_child.children``).
@@ -36,7 +37,8 @@ import torchrepro.launch as _launch
 import torchrepro.recorder as _recorder
 from torchrepro import runrecord
 from torchrepro._child.children import RankClaim
-from torchrepro._child.hooks import SettingsProbe, install_hooks, install_world_hook, worker_mapping
+from torchrepro._child.hooks import install_hooks, install_world_hook, worker_mapping
+from torchrepro._child.probe import SettingsProbe
 from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
 from torchrepro._child.training import FINAL_KEY, BackwardSteps
 from torchrepro._runtime import env_rank

@@ -2,7 +2,7 @@
 
 - ``audit.rules``: pure rules (the op table ``ops_table.json`` and the settings rules), no I/O.
 - ``audit.runner``: ``audit_script`` runs the script through the child bootstrap and applies them.
-- The child-side probe lives with every other child hook in ``torchrepro._child.hooks``.
+- The child-side probe is ``torchrepro._child.probe`` (``SettingsProbe``).
 
 Submodules load lazily: importing ``torchrepro.audit`` imports neither.
 """

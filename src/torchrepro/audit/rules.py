@@ -4,7 +4,7 @@ Invariants:
 
 - Nothing here runs a script or changes global state: ``audit_ops`` and ``audit_settings`` are
   pure functions of their input (the recorded ops and the probe's settings dict), testable
-  without running anything. ``audit.runner`` runs the script; ``_child.hooks`` probes it.
+  without running anything. ``audit.runner`` runs the script; ``_child.probe`` probes it.
 - Op findings come from the op table ``_audit_ops.json``: data, keyed by torch release, whose
   entries name the items of ``torch.use_deterministic_algorithms.__doc__`` they cover and the aten
   ops that implement them. A test keeps it equal to the installed torch's documentation, and an
