@@ -7,6 +7,7 @@ must give no error (negative control).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -17,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchrepro.audit import AuditReport, Finding, audit_ops, audit_settings
+from torchrepro.audit import AuditReport, Finding, ProbeSettings, audit_ops, audit_settings
 from torchrepro.audit.rules import _TABLE_FILE, _documented_items, _load_table
 from torchrepro.errors import TraceError
+from torchrepro.flags import CUBLAS_CONFIGS
 from torchrepro.tracing import OpRecorder
 
 # --------------------------------------------------------------------------------------------
@@ -331,13 +333,47 @@ def test_finding_round_trip_and_validation() -> None:
     assert list(f.to_dict()) == ["code", "severity", "op", "module", "location", "message", "fix"]
     with pytest.raises(ValueError, match="severity"):
         Finding("TR1", "fatal", None, None, None, "m", "f")
-    report = AuditReport((f,), "s.py", 1, 1, 10, torch.__version__, "2.13", {})
+    report = AuditReport((f,), "s.py", 1, 1, 10, torch.__version__, "2.13", None)
     assert report.errors == (f,)
     assert json.loads(json.dumps(report.to_dict()))["findings"] == [f.to_dict()]
 
 
 # --------------------------------------------------------------------------------------------
 # audit_settings
+
+
+def _settings(**changes: Any) -> ProbeSettings:
+    """Settings with which a script is reproducible and nothing is reported, changed as given."""
+    base = ProbeSettings(
+        hash_randomization=False,
+        pythonhashseed="0",
+        cublas_workspace_config=CUBLAS_CONFIGS[0],
+        deterministic_algorithms=True,
+        warn_only=False,
+        cudnn_benchmark=False,
+        cudnn_deterministic=True,
+        cudnn_allow_tf32=False,
+        cuda_matmul_allow_tf32=False,
+        float32_matmul_precision="highest",
+        num_threads=1,
+        set_num_threads_called=True,
+        thread_env={"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None},
+        torch_seeded=True,
+        seeded={"random": True, "numpy": True, "torch": True},
+        tainted_seeds=(),
+        inductor_deterministic=None,
+        compile_calls=(),
+        dataloaders=(),
+        optimizer_steps=1,
+        calls=(),
+        cuda_initialized=False,
+    )
+    records = {k: tuple(v) for k, v in changes.items() if isinstance(v, list)}
+    return dataclasses.replace(base, **{**changes, **records})
+
+
+def test_reproducible_settings_give_no_finding() -> None:
+    assert audit_settings(_settings(), events=CONV + MM) == []
 
 
 CONV = [_ev("aten.convolution.default")]
@@ -349,7 +385,7 @@ MM = [_ev("aten.addmm.default")]
     [
         ({"hash_randomization": True}, [], [("TR201", "warning")]),
         ({"hash_randomization": False}, [], []),
-        ({"cublas_workspace_config": None}, MM, [("TR202", "warning")]),
+        ({"cublas_workspace_config": None, "deterministic_algorithms": False}, MM, [("TR202", "warning")]),
         ({"cublas_workspace_config": None}, [], []),
         ({"cublas_workspace_config": ":4096:8"}, MM, []),
         (
@@ -358,10 +394,10 @@ MM = [_ev("aten.addmm.default")]
             [("TR202", "error")],
         ),
         ({"cudnn_benchmark": True}, [], [("TR203", "warning")]),
-        ({"matmul_allow_tf32": True, "float32_matmul_precision": "high"}, [], [("TR204", "info")]),
+        ({"cuda_matmul_allow_tf32": True, "float32_matmul_precision": "high"}, [], [("TR204", "info")]),
         ({"cudnn_allow_tf32": True}, [], []),
         ({"cudnn_allow_tf32": True}, CONV, [("TR204", "info")]),
-        ({"deterministic_algorithms": False}, CONV, [("TR205", "warning")]),
+        ({"deterministic_algorithms": False, "cudnn_deterministic": False}, CONV, [("TR205", "warning")]),
         ({"deterministic_algorithms": False, "cudnn_deterministic": True}, CONV, []),
         ({"deterministic_algorithms": False}, MM, []),
         ({"deterministic_algorithms": True, "warn_only": True}, [], [("TR206", "warning")]),
@@ -388,12 +424,14 @@ MM = [_ev("aten.addmm.default")]
 def test_settings_findings(
     settings: dict[str, Any], events: list[dict[str, Any]], expected: list[tuple[str, str]]
 ) -> None:
-    assert [(f.code, f.severity) for f in audit_settings(settings, events=events)] == expected
+    # every other setting as in _settings(): reproducible, nothing to report
+    found = audit_settings(_settings(**settings), events=events)
+    assert [(f.code, f.severity) for f in found] == expected
 
 
 def test_warn_only_finding_names_the_ops_that_stay_nondeterministic() -> None:
     events = [_ev("aten.upsample_bilinear2d_backward.default", backward=True)]
-    (finding,) = audit_settings({"deterministic_algorithms": True, "warn_only": True}, events=events)
+    (finding,) = audit_settings(_settings(warn_only=True), events=events)
     assert "aten.upsample_bilinear2d_backward" in finding.message
 
 
@@ -428,18 +466,18 @@ def _draws(*rngs: str) -> dict[str, Any]:
     ],
 )
 def test_dataset_findings(loader: dict[str, Any], seeded: dict[str, bool], expected: list[str]) -> None:
-    findings = audit_settings({"dataloaders": [loader], "seeded": seeded})
+    findings = audit_settings(_settings(dataloaders=[loader], seeded=seeded))
     assert sorted(f.code for f in findings) == expected
     assert all(f.location == "train.py:9" for f in findings)
 
 
 def test_dataset_finding_names_the_rng_and_the_framework_setting() -> None:
     loader = _loader(probe=_draws("random", "numpy"), framework="lightning")
-    (finding,) = audit_settings({"dataloaders": [loader], "seeded": {**_SEEDED, "numpy": False}})
+    (finding,) = audit_settings(_settings(dataloaders=[loader], seeded={**_SEEDED, "numpy": False}))
     assert "Aug.__getitem__" in finding.message and "NumPy's global RNG" in finding.message
     assert "Python's global random" not in finding.message  # seeded: not named
     assert "np.random.seed(0)" in finding.fix and "seed_everything(0, workers=True)" in finding.fix
-    (hf,) = audit_settings({"dataloaders": [{**loader, "framework": "transformers"}], "seeded": _UNSEEDED})
+    (hf,) = audit_settings(_settings(dataloaders=[{**loader, "framework": "transformers"}], seeded=_UNSEEDED))
     assert "TrainingArguments(seed=" in hf.fix
 
 
@@ -461,7 +499,9 @@ def test_dataset_finding_names_the_rng_and_the_framework_setting() -> None:
 def test_shuffle_fix_names_the_generator_that_draws_the_order(
     loader: dict[str, Any], fix: str | None
 ) -> None:
-    findings = audit_settings({"dataloaders": [{"num_workers": 0, "sampler": "RandomSampler", **loader}]})
+    findings = audit_settings(
+        _settings(dataloaders=[{"num_workers": 0, "sampler": "RandomSampler", **loader}])
+    )
     assert [f.fix.startswith(fix) for f in findings] == ([] if fix is None else [True])
     if loader.get("generator") and loader.get("sampler_given"):
         assert "does not reach it" in findings[0].message
@@ -469,7 +509,7 @@ def test_shuffle_fix_names_the_generator_that_draws_the_order(
 
 def test_seed_drawn_from_an_unseeded_source() -> None:
     call = {"call": "torch.manual_seed", "rng": "torch", "location": "train.py:3", "source": "random.randint"}
-    (finding,) = audit_settings({"tainted_seeds": [call]})
+    (finding,) = audit_settings(_settings(tainted_seeds=[call]))
     assert (finding.code, finding.severity, finding.location) == ("TR305", "warning", "train.py:3")
     assert "random.randint" in finding.message and "torch's global RNG" in finding.message
 

@@ -36,6 +36,7 @@ import torch
 from torchrepro import recorder as _recorder
 from torchrepro._frames import user_site
 from torchrepro._io import atomic_write_json
+from torchrepro.audit.settings import ProbeSettings
 from torchrepro.flags import DeterminismFlags
 
 __all__ = ["SettingsProbe"]
@@ -548,41 +549,42 @@ class SettingsProbe:
             out.append({k: v for k, v in record.items() if not k.startswith("_")})
         return out
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ProbeSettings:
+        """What the probe has seen so far."""
         inductor = sys.modules.get("torch._inductor.config")
         flags = DeterminismFlags.capture()
         deterministic, warn_only = flags.deterministic_algorithms, flags.warn_only
         if self.requested_deterministic is not None and self.requested_deterministic[0] == deterministic:
             warn_only = self.requested_deterministic[1]  # the probe turned a strict request into warn-only
-        return {
-            "hash_randomization": self.hash_randomization,
-            "pythonhashseed": self.start_env["PYTHONHASHSEED"],
-            "cublas_workspace_config": flags.cublas_workspace_config,
-            "deterministic_algorithms": deterministic,
-            "warn_only": warn_only,
-            "cudnn_benchmark": flags.cudnn_benchmark,
-            "cudnn_deterministic": flags.cudnn_deterministic,
-            "cudnn_allow_tf32": flags.cudnn_allow_tf32,
-            "matmul_allow_tf32": flags.cuda_matmul_allow_tf32,
-            "float32_matmul_precision": flags.float32_matmul_precision,
-            "num_threads": torch.get_num_threads(),
-            "set_num_threads_called": self.set_num_threads_called,
-            "thread_env": {k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
-            "torch_seeded": torch.initial_seed() != self.start_seed,
-            "seeded": {
+        return ProbeSettings(
+            hash_randomization=self.hash_randomization,
+            pythonhashseed=self.start_env["PYTHONHASHSEED"],
+            cublas_workspace_config=flags.cublas_workspace_config,
+            deterministic_algorithms=deterministic,
+            warn_only=warn_only,
+            cudnn_benchmark=flags.cudnn_benchmark,
+            cudnn_deterministic=flags.cudnn_deterministic,
+            cudnn_allow_tf32=flags.cudnn_allow_tf32,
+            cuda_matmul_allow_tf32=flags.cuda_matmul_allow_tf32,
+            float32_matmul_precision=flags.float32_matmul_precision,
+            num_threads=torch.get_num_threads(),
+            set_num_threads_called=self.set_num_threads_called,
+            thread_env={k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
+            torch_seeded=torch.initial_seed() != self.start_seed,
+            seeded={
                 "random": self.seeded.get("random", False),
                 "numpy": self.seeded.get("numpy", False),
                 "torch": torch.initial_seed() != self.start_seed and self.seeded.get("torch", True),
             },
-            "tainted_seeds": self.tainted_seeds,
-            "inductor_deterministic": getattr(inductor, "deterministic", None) if inductor else None,
-            "compile_calls": self.compile_calls,
-            "dataloaders": self._loader_records(),
-            "optimizer_steps": self.optimizer_steps,
-            "calls": list(self.calls.values()),
-            "cuda_initialized": torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
-        }
+            tainted_seeds=tuple(self.tainted_seeds),
+            inductor_deterministic=getattr(inductor, "deterministic", None) if inductor else None,
+            compile_calls=tuple(self.compile_calls),
+            dataloaders=tuple(self._loader_records()),
+            optimizer_steps=self.optimizer_steps,
+            calls=tuple(self.calls.values()),
+            cuda_initialized=torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
+        )
 
     def write(self) -> None:
         with contextlib.suppress(Exception):
-            atomic_write_json(self.path, self.snapshot())
+            atomic_write_json(self.path, self.snapshot().to_dict())

@@ -3,7 +3,7 @@
 Invariants:
 
 - Nothing here runs a script or changes global state: ``audit_ops`` and ``audit_settings`` are
-  pure functions of their input (the recorded ops and the probe's settings dict), testable
+  pure functions of their input (the recorded ops and the probe's ``ProbeSettings``), testable
   without running anything. ``audit.runner`` runs the script; ``_child.probe`` probes it.
 - Op findings come from the op table ``_audit_ops.json``: data, keyed by torch release, whose
   entries name the items of ``torch.use_deterministic_algorithms.__doc__`` they cover and the aten
@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from torchrepro.audit.settings import ProbeSettings
 from torchrepro.errors import TraceError
 from torchrepro.flags import CUBLAS_CONFIGS
 
@@ -92,7 +93,7 @@ class AuditReport:
     ops_recorded: int
     torch_version: str
     table_release: str
-    settings: Mapping[str, Any]
+    settings: ProbeSettings | None
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -109,7 +110,7 @@ class AuditReport:
             "ops_recorded": self.ops_recorded,
             "torch_version": self.torch_version,
             "table_release": self.table_release,
-            "settings": dict(self.settings),
+            "settings": self.settings.to_dict() if self.settings is not None else {},
         }
 
 
@@ -535,32 +536,33 @@ def _settings_finding(
     return Finding(code, severity, None, None, location, message, fix)
 
 
-def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -> list[Finding]:
-    """Findings for the determinism settings a script ran with (the probe's ``settings`` dict).
+def audit_settings(settings: ProbeSettings, *, events: Iterable[Any] = ()) -> list[Finding]:
+    """Findings for the determinism settings a script ran with (what the probe saw).
 
     ``events`` (the recorded ops) decide which settings matter: the CUBLAS variable only when
-    cuBLAS ops ran, deterministic mode only when ops that need it ran. Keys missing from
-    ``settings`` are not judged.
+    cuBLAS ops ran, deterministic mode only when ops that need it ran.
 
-    >>> [f.code for f in audit_settings({"cudnn_benchmark": True})]
-    ['TR203']
+    >>> from torchrepro._child.probe import SettingsProbe
+    >>> settings = SettingsProbe("unused.json").snapshot()  # a probe, not installed
+    >>> "TR203" in [f.code for f in audit_settings(dataclasses.replace(settings, cudnn_benchmark=True))]
+    True
     """
     table = _load_table()
     evs = [_as_event(e) for e in events]
-    op_findings = audit_ops(evs, calls=settings.get("calls") or ())
+    op_findings = audit_ops(evs, calls=settings.calls)
     needs_strict = sorted({f.op or "" for f in op_findings if f.severity == "info"})
-    if settings.get("cudnn_deterministic"):
+    if settings.cudnn_deterministic:
         conv = {s.name for e in table.entries if e.code == "TR120" for s in e.ops}
         needs_strict = [o for o in needs_strict if o.rsplit(".", 1)[0] not in conv and o not in conv]
     cannot = sorted({f.op or "" for f in op_findings if f.severity in ("error", "warning")})
     uses_cublas = any(e.name in table.cublas_ops for e in evs)
     uses_conv = any(e.name in ("aten.convolution", "aten._convolution") for e in evs)
-    deterministic = settings.get("deterministic_algorithms")
-    warn_only = settings.get("warn_only")
+    deterministic = settings.deterministic_algorithms
+    warn_only = settings.warn_only
     out: list[Finding] = []
     add = out.append
 
-    if settings.get("hash_randomization"):
+    if settings.hash_randomization:
         add(
             _settings_finding(
                 "TR201",
@@ -572,8 +574,8 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "torchrepro.relaunch() at the top of the script.",
             )
         )
-    cublas = settings.get("cublas_workspace_config", _UNKNOWN)
-    if cublas is not _UNKNOWN and cublas not in CUBLAS_CONFIGS and uses_cublas:
+    cublas = settings.cublas_workspace_config
+    if cublas not in CUBLAS_CONFIGS and uses_cublas:
         strict = bool(deterministic) and not warn_only
         add(
             _settings_finding(
@@ -590,7 +592,7 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "environment before CUDA starts (torchrepro run does).",
             )
         )
-    if settings.get("cudnn_benchmark"):
+    if settings.cudnn_benchmark:
         add(
             _settings_finding(
                 "TR203",
@@ -601,12 +603,12 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
             )
         )
     tf32 = []
-    if settings.get("matmul_allow_tf32"):
+    if settings.cuda_matmul_allow_tf32:
         tf32.append("torch.backends.cuda.matmul.allow_tf32 is on")
-    precision = settings.get("float32_matmul_precision")
+    precision = settings.float32_matmul_precision
     if precision not in (None, "highest"):
         tf32.append(f"float32 matmul precision is {precision!r}")
-    if settings.get("cudnn_allow_tf32") and uses_conv:
+    if settings.cudnn_allow_tf32 and uses_conv:
         tf32.append("torch.backends.cudnn.allow_tf32 is on (the default) and the script convolves")
     if tf32:
         add(
@@ -642,9 +644,9 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "Use torch.use_deterministic_algorithms(True) without warn_only, and fix the ops it rejects.",
             )
         )
-    threads_env = settings.get("thread_env") or {}
-    if settings.get("set_num_threads_called") is False and not any(threads_env.values()):
-        n = settings.get("num_threads")
+    threads_env = settings.thread_env
+    if settings.set_num_threads_called is False and not any(threads_env.values()):
+        n = settings.num_threads
         add(
             _settings_finding(
                 "TR207",
@@ -655,7 +657,7 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "Pin it: torchrepro run --threads N, OMP_NUM_THREADS=N, or torch.set_num_threads(N).",
             )
         )
-    if settings.get("torch_seeded") is False:
+    if settings.torch_seeded is False:
         add(
             _settings_finding(
                 "TR208",
@@ -666,16 +668,13 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                 "or run it with torchrepro run --seed N.",
             )
         )
-    seeded = settings.get("seeded")
-    if not isinstance(seeded, Mapping):  # an older probe: only torch is known
-        seeded = {"torch": settings.get("torch_seeded", True)}
-    for loader in settings.get("dataloaders") or ():
-        out.extend(_loader_findings(loader, seeded))
-    for call in settings.get("tainted_seeds") or ():
+    for loader in settings.dataloaders:
+        out.extend(_loader_findings(loader, settings.seeded))
+    for call in settings.tainted_seeds:
         out.append(_tainted_seed_finding(call))
-    for call in settings.get("compile_calls") or ():
+    for call in settings.compile_calls:
         backend = call.get("backend") or "inductor"
-        inductor_det = settings.get("inductor_deterministic")
+        inductor_det = settings.inductor_deterministic
         if backend == "inductor" and not deterministic and not inductor_det:
             mode = call.get("mode")
             add(
@@ -692,7 +691,7 @@ def audit_settings(settings: Mapping[str, Any], *, events: Iterable[Any] = ()) -
                     call.get("location"),
                 )
             )
-    steps = settings.get("optimizer_steps")
+    steps = settings.optimizer_steps
     if steps == 0:
         add(
             _settings_finding(
@@ -887,11 +886,14 @@ def _tainted_seed_finding(call: Mapping[str, Any]) -> Finding:
     )
 
 
-def report(*, script: str, steps: int, events: Sequence[Any], settings: Mapping[str, Any]) -> AuditReport:
-    """The audit report of a run: table, op and settings findings, most severe first."""
-    calls = settings.get("calls") or ()
-    findings = _table_findings() + audit_ops(events, calls=calls) + audit_settings(settings, events=events)
-    steps_done = settings.get("optimizer_steps")
+def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSettings | None) -> AuditReport:
+    """The audit report of a run: table, op and settings findings, most severe first
+    (``settings`` None: the probe wrote nothing, and no setting is judged)."""
+    calls = settings.calls if settings is not None else ()
+    findings = _table_findings() + audit_ops(events, calls=calls)
+    if settings is not None:
+        findings += audit_settings(settings, events=events)
+    steps_done = settings.optimizer_steps if settings is not None else None
     return AuditReport(
         findings=tuple(sorted(findings, key=_sort_key)),
         script=script,
