@@ -21,7 +21,7 @@ from typing import Any
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec
-from torchrepro.audit.rules import AuditReport, report
+from torchrepro.audit.report import AuditReport, report
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.errors import EnvFileError, LaunchError, TraceError
 from torchrepro.launch import build_command, kill_tree, spawn, terminate_on_signals
