@@ -154,6 +154,9 @@ class Walker:
             kind = kinds.get(code)
             if kind is None:
                 kind = self.kind(code)
+            if kind == LIBRARY:  # most frames: checked first
+                frame = frame.f_back
+                continue
             if kind == USER:
                 location = f"{self.show(code.co_filename)}:{frame.f_lineno}"
                 if framework is None and outer:
