@@ -4,7 +4,7 @@ python children a script starts (``_child.children``), torn down at exit.
 Invariants:
 - ``configure`` seeds and sets the switches before the script's first line, and installs the hooks
   (``_child.hooks``) before the script can create an optimizer or a DataLoader; with an audit spec
-  the settings probe is installed first.
+  the audit's settings probe (``_child.probe``) is installed first.
 - The events file is chosen at the first event (``rankclaim.RankClaim``): the process group's rank
   if initialised, else the rank the environment names, else 0; a rank a script-started process
   already records is not written twice.
@@ -26,7 +26,8 @@ import torch
 import torchrepro.launch as _launch
 import torchrepro.recorder as _recorder
 from torchrepro import runrecord
-from torchrepro._child.hooks import SettingsProbe, install_hooks, install_world_hook, worker_mapping
+from torchrepro._child.hooks import install_hooks, install_world_hook, worker_mapping
+from torchrepro._child.probe import SettingsProbe
 from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
 from torchrepro._child.training import BackwardSteps

@@ -1,10 +1,14 @@
 """Audit a training script for what would break bitwise determinism, on CUDA included, from a CPU run.
 
-- ``audit.rules``: pure rules (the op table ``ops_table.json`` and the settings rules), no I/O.
+- Pure rules, no I/O: ``audit.optable`` (the op table ``ops_table.json``, by torch release),
+  ``audit.op_rules`` (recorded ops -> findings), ``audit.settings_rules`` (one rule per settings
+  finding code), ``audit.loader_rules`` (DataLoaders and seeds), ``audit.findings`` (``Finding``,
+  the order of a report) and ``audit.report`` (``AuditReport``: every rule applied).
+- ``audit.settings``: ``ProbeSettings``, what the child's probe saw, as the rules take it.
 - ``audit.runner``: ``audit_script`` runs the script through the child bootstrap and applies them.
-- The child-side probe lives with every other child hook in ``torchrepro._child.hooks``.
+- The child-side probe is ``torchrepro._child.probe`` (``SettingsProbe``).
 
-Submodules load lazily: importing ``torchrepro.audit`` imports neither.
+Submodules load lazily: importing ``torchrepro.audit`` imports none of them.
 """
 
 from __future__ import annotations
@@ -14,17 +18,22 @@ from typing import TYPE_CHECKING
 from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from torchrepro.audit.rules import AuditReport, Finding, audit_ops, audit_settings
+    from torchrepro.audit.findings import Finding
+    from torchrepro.audit.op_rules import audit_ops
+    from torchrepro.audit.report import AuditReport
     from torchrepro.audit.runner import audit_script
+    from torchrepro.audit.settings import ProbeSettings
+    from torchrepro.audit.settings_rules import audit_settings
 
-__all__ = ["AuditReport", "Finding", "audit_ops", "audit_script", "audit_settings"]
+__all__ = ["AuditReport", "Finding", "ProbeSettings", "audit_ops", "audit_script", "audit_settings"]
 
 _WHERE = {
-    "AuditReport": "rules",
-    "Finding": "rules",
-    "audit_ops": "rules",
-    "audit_settings": "rules",
+    "AuditReport": "report",
+    "Finding": "findings",
+    "audit_ops": "op_rules",
+    "audit_settings": "settings_rules",
     "audit_script": "runner",
+    "ProbeSettings": "settings",
 }
 
 

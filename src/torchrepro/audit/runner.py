@@ -21,7 +21,8 @@ from typing import Any
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec
-from torchrepro.audit.rules import AuditReport, report
+from torchrepro.audit.report import AuditReport, report
+from torchrepro.audit.settings import ProbeSettings
 from torchrepro.errors import EnvFileError, LaunchError, TraceError
 from torchrepro.launch import build_command, kill_tree, spawn, terminate_on_signals
 
@@ -66,7 +67,7 @@ def audit_script(
                 f"its last output:\n{_tail(output)}"
             )
         events = _read_events(Path(tmp))
-        settings = _read_json(settings_path) if settings_path.is_file() else {}
+        settings = _read_settings(settings_path) if settings_path.is_file() else None
     return report(script=target, steps=steps, events=events, settings=settings)
 
 
@@ -100,6 +101,14 @@ def _read_json(path: Path) -> Any:
     try:
         return runrecord.read_json(path)
     except EnvFileError as exc:
+        raise TraceError(f"Cannot read the audit's recording {path.name}: {exc}") from None
+
+
+def _read_settings(path: Path) -> ProbeSettings:
+    data = _read_json(path)
+    try:
+        return ProbeSettings.from_dict(data)
+    except TraceError as exc:
         raise TraceError(f"Cannot read the audit's recording {path.name}: {exc}") from None
 
 

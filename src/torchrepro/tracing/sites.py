@@ -4,8 +4,10 @@ Invariants:
 - A module path is dotted, without the root's name (``layer2.drop``); an op in the root's own
   ``forward`` gets the root's class name; DDP, DataParallel and ``torch.compile`` wrappers are
   seen through.
-- A location is the first frame outside torch, torchrepro and the standard library, relative to the
-  current directory when below it.
+- A location is the user's line as ``torchrepro._frames`` finds it (the walker the audit uses too):
+  the first frame outside torch, torchrepro, the standard library, generated code and the
+  frameworks (Lightning, transformers, accelerate: an op Lightning issues gets the user's line that
+  made Lightning act), relative to the directory the recorder started in when below it.
 - An op issued by torch's data loading code (``torch/utils/data/``: iterators, collation, the
   pin-memory thread; ``torch/multiprocessing/``: tensors rebuilt from another process) before any
   user frame is reached belongs to data loading, on any thread: ``attribute(..., skip_loading=True)``
@@ -28,6 +30,8 @@ from typing import Any, Final, Literal, overload
 
 import torch
 
+from torchrepro._frames import Walker
+
 _META_KEY: Final = "torchrepro.site"
 """Key under which an autograd node's ``metadata`` dict holds ``(module, location)`` of its forward op."""
 
@@ -39,11 +43,6 @@ _MAX_PENDING_ATTEMPTS: Final = 8
 # Attribution: module stack, source lines, autograd node -> forward site
 # --------------------------------------------------------------------------------------------
 
-_USER, _LIBRARY, _ENGINE, _LOADING = 0, 1, 2, 3
-_LIBRARY_DIRS: tuple[str, ...] = tuple(
-    os.path.normcase(os.path.dirname(os.path.abspath(f))) + os.sep
-    for f in (torch.__file__, os.path.dirname(__file__), os.__file__)  # torch, torchrepro, the stdlib
-)
 _TORCH_DIR: Final = os.path.dirname(os.path.abspath(torch.__file__))
 _LOADING_DIRS: Final = tuple(
     os.path.normcase(os.path.join(_TORCH_DIR, *parts)) + os.sep
@@ -64,19 +63,14 @@ _WRAPPER_PREFIXES: Final[Mapping[str, str]] = {
 }
 
 
-# Cache shared by every recorder (code objects are immortal in practice).
-_CODE_KINDS: dict[CodeType, int] = {}
-
-
 class _Sites:
     """Where an op comes from: the module stack (global forward hooks) and the user's frame."""
 
     def __init__(self) -> None:
         self._stack: list[torch.nn.Module] = []
         self._names: dict[int, tuple[weakref.ref[torch.nn.Module], dict[int, str]]] = {}
-        self._code_kind = _CODE_KINDS
-        self._display: dict[str, str] = {}
-        self._cwd = os.path.normcase(os.getcwd())
+        # the one walker (``_frames``): its kinds are shared by every recorder, its directory is now
+        self._frames = Walker(stop=_ENGINE_CODES, mark=_LOADING_DIRS)
         self._handles: list[Any] = []
         self._pending: list[list[Any]] = []
         self._thread = threading.get_ident()
@@ -143,56 +137,11 @@ class _Sites:
         return name or type(module).__name__
 
     # -- source lines ---------------------------------------------------------------------------
-    def _kind(self, code: CodeType) -> int:
-        kind = self._code_kind.get(code)
-        if kind is None:
-            if code in _ENGINE_CODES:
-                kind = _ENGINE
-            else:
-                filename = code.co_filename
-                if filename.startswith("<frozen") or filename.startswith("<built-in"):
-                    kind = _LIBRARY
-                else:
-                    path = os.path.normcase(os.path.abspath(filename))
-                    if path.startswith(_LOADING_DIRS):
-                        kind = _LOADING
-                    else:
-                        kind = _LIBRARY if path.startswith(_LIBRARY_DIRS) else _USER
-            self._code_kind[code] = kind
-        return kind
-
-    def _show(self, filename: str) -> str:
-        shown = self._display.get(filename)
-        if shown is None:
-            path = os.path.abspath(filename)
-            norm = os.path.normcase(path)
-            shown = os.path.relpath(path, self._cwd) if norm.startswith(self._cwd + os.sep) else path
-            self._display[filename] = shown
-        return shown
-
     def user_location(self, frame: FrameType | None) -> tuple[str | None, bool]:
         """``(file:line, False)`` of the innermost user frame, or ``(None, True)`` when the walk
         reaches autograd's engine entry first (the op runs inside backward on behalf of torch)."""
-        location, in_engine, _ = self._walk(frame)
+        location, _, in_engine, _ = self._frames.walk(frame)
         return location, in_engine
-
-    def _walk(self, frame: FrameType | None) -> tuple[str | None, bool, bool]:
-        """``user_location`` and whether torch's data loading code was passed on the way."""
-        kinds = self._code_kind
-        loading = False
-        while frame is not None:
-            code = frame.f_code
-            kind = kinds.get(code)
-            if kind is None:
-                kind = self._kind(code)
-            if kind == _USER:
-                return f"{self._show(code.co_filename)}:{frame.f_lineno}", False, loading
-            if kind == _ENGINE:
-                return None, True, loading
-            if kind == _LOADING:
-                loading = True
-            frame = frame.f_back
-        return None, False, loading
 
     # -- autograd nodes -------------------------------------------------------------------------
     def remember(self, output: Any, site: tuple[str | None, str | None]) -> None:
@@ -240,7 +189,7 @@ class _Sites:
         """``(module, location, backward)`` of the op being dispatched now; with ``skip_loading``,
         None for an op that torch's data loading code issued (see the module's invariants)."""
         self.resolve()
-        location, in_engine, loading = self._walk(frame)
+        location, _, in_engine, loading = self._frames.walk(frame)  # loading: passed torch's data code
         if loading and skip_loading:
             return None
         node = _current_autograd_node()

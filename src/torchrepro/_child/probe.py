@@ -1,0 +1,590 @@
+"""The audit's settings probe: what the audited script sets, seeds and loads, noted in the child.
+
+Invariants:
+- Only the child process installs it (``_child.bootstrap``, for ``torchrepro audit``), once,
+  before the user's script runs; importing this module patches nothing.
+- ``SettingsProbe`` wraps ``DataLoader.__init__``, ``torch.compile``,
+  ``torch.use_deterministic_algorithms``, ``torch.set_num_threads``, the few functions whose
+  arguments decide an op-table condition, the global seeding functions (``random.seed``,
+  ``np.random.seed``, ``torch.manual_seed``, ``torch.seed``) and the unseeded sources a seed may
+  be drawn from (``random.randint``/``randrange``/``getrandbits``, ``np.random.randint``,
+  ``secrets.randbits``/``randbelow``, ``os.urandom``): they only note values and call through to
+  the original unchanged. One exception, asked for: ``use_deterministic_algorithms`` is applied
+  with ``warn_only=True`` (the probe records the request), so the audit sees every op.
+- At each DataLoader's creation the probe loads index 0 of its dataset a few times (at most
+  ``_PROBE_BUDGET_S``, once per dataset object) under global RNG states of its own, then restores
+  every global RNG state (Python, NumPy, torch CPU) with op tracing paused: the script's draws
+  are unchanged. Side effects of ``__getitem__`` itself (a cache, a counter) cannot be undone.
+- What it saw is written as ``audit.settings.ProbeSettings`` JSON after each optimizer step and at
+  exit; user locations come from ``torchrepro._frames`` (the user's line, not a framework's).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import inspect
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from torchrepro import recorder as _recorder
+from torchrepro._frames import user_site
+from torchrepro._io import atomic_write_json
+from torchrepro.audit.settings import ProbeSettings
+from torchrepro.flags import DeterminismFlags
+
+__all__ = ["SettingsProbe"]
+
+
+def _user_location() -> str | None:
+    """``file:line`` of the user's line (see ``_frames.user_site``)."""
+    return user_site(outer=False)[0]
+
+
+def _in_loader_fetch() -> bool:
+    """Whether a DataLoader (or the probe) is loading samples up the stack: a dataset seeding
+    itself per index is not the script seeding."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _probe_dataset.__code__ or frame.f_code.co_filename.endswith(
+            os.path.join("_utils", "fetch.py")
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+# The global RNGs the probe varies, by the name findings use.
+_GLOBAL_RNGS = ("random", "numpy", "torch")
+_PROBE_SLOW_S = 0.5  # one load slower than this: no further loads (the heuristic decides)
+_PROBE_BUDGET_S = 2.0  # all the probe's loads of one dataset
+_PROBE_STATES = 8  # other global RNG states tried before deciding a sample does not depend on them
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
+
+
+def _sample_key(obj: Any, depth: int = 0) -> Any:
+    """A hashable, comparable summary of a loaded sample (tensors, arrays, images, containers)."""
+    if depth > 20:
+        return "..."
+    if obj is None or isinstance(obj, (bool, int, str, bytes)):
+        return obj
+    if isinstance(obj, float):
+        return repr(obj)  # NaN equals itself
+    if isinstance(obj, torch.Tensor):
+        import hashlib
+
+        t = obj.detach().cpu()
+        if t.layout != torch.strided:
+            t = t.to_dense()
+        flat = t.contiguous().reshape(-1)
+        data = flat.view(torch.uint8) if flat.numel() and flat.dtype != torch.bool else flat.to(torch.uint8)
+        return ("tensor", str(t.dtype), tuple(t.shape), hashlib.sha1(data.numpy().tobytes()).hexdigest())
+    if isinstance(obj, Mapping):
+        return ("map", tuple(sorted((repr(k), _sample_key(v, depth + 1)) for k, v in obj.items())))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_sample_key(v, depth + 1) for v in obj))
+    tobytes = getattr(obj, "tobytes", None)  # NumPy arrays and scalars, PIL images
+    if callable(tobytes):
+        return (type(obj).__name__, str(getattr(obj, "shape", getattr(obj, "size", ""))), tobytes())
+    fields = getattr(obj, "__dict__", None)
+    if isinstance(fields, dict):
+        return (type(obj).__name__, _sample_key(fields, depth + 1))
+    return (type(obj).__name__, repr(obj))
+
+
+def _rng_states(numpy: Any) -> dict[str, Any]:
+    import random
+
+    return {
+        "random": random.getstate(),
+        "numpy": numpy.random.get_state() if numpy is not None else None,
+        "torch": torch.get_rng_state(),
+    }
+
+
+def _set_rng_states(states: Mapping[str, Any], numpy: Any) -> None:
+    import random
+
+    random.setstate(states["random"])
+    if numpy is not None and states["numpy"] is not None:
+        numpy.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def _probe_dataset(dataset: Any) -> dict[str, Any]:
+    """Decide empirically which global RNGs ``dataset[0]`` draws from.
+
+    Loads index 0 under fixed global RNG states, again under the same states (a sample that
+    differs then draws from something no global seed reaches: ``unstable``), then with every
+    global RNG set to other states, and if that differs, with each changed alone. A draw may not
+    show in one change (a coin flip lands the same way half the time), so each comparison tries
+    up to ``_PROBE_STATES`` other states and stops at the first difference. Every global RNG
+    state is restored afterwards and op tracing is paused, so the script computes what it would
+    have. A dataset that seeds itself per index (torchvision's ``FakeData``) draws nothing.
+    Returns ``{"ran": False, "reason": ...}`` when it cannot tell (no ``__len__``, an
+    ``IterableDataset``, a load that raises, one slow load or ``_PROBE_BUDGET_S`` in all).
+    """
+    import random
+    import time
+
+    import torch.utils.data as data_mod
+
+    if isinstance(dataset, data_mod.IterableDataset):
+        return {"ran": False, "reason": "an IterableDataset has no index to load twice"}
+    try:
+        size = len(dataset)
+    except Exception:
+        return {"ran": False, "reason": "the dataset has no len()"}
+    if size < 1:
+        return {"ran": False, "reason": "the dataset is empty"}
+    numpy = _numpy()
+    names = [n for n in _GLOBAL_RNGS if n != "numpy" or numpy is not None]
+    fixed = {
+        seed: {
+            "random": random.Random(seed).getstate(),
+            "numpy": numpy.random.RandomState(seed).get_state() if numpy is not None else None,
+            "torch": torch.Generator().manual_seed(seed).get_state(),
+        }
+        for seed in range(1, _PROBE_STATES + 2)
+    }
+    start = time.perf_counter()
+
+    def load(changed: Sequence[str] = (), seed: int = 1) -> Any:
+        if time.perf_counter() - start > _PROBE_BUDGET_S:
+            raise TimeoutError
+        _set_rng_states({n: fixed[seed if n in changed else 1][n] for n in _GLOBAL_RNGS}, numpy)
+        return _sample_key(dataset[0])
+
+    def differs(changed: Sequence[str], base: Any) -> bool:
+        return any(load(changed, seed) != base for seed in range(2, _PROBE_STATES + 2))
+
+    saved = _rng_states(numpy)
+    try:
+        with _recorder.paused():
+            base = load()
+            if time.perf_counter() - start > _PROBE_SLOW_S:
+                return {"ran": False, "reason": f"loading one sample takes over {_PROBE_SLOW_S} s"}
+            unstable = load() != base
+            draws = []
+            if not unstable and differs(names, base):
+                draws = [n for n in names if differs((n,), base)] or names  # only together: all
+    except TimeoutError:
+        return {"ran": False, "reason": f"loading index 0 again and again took over {_PROBE_BUDGET_S} s"}
+    except Exception as exc:
+        return {"ran": False, "reason": f"loading index 0 raised {type(exc).__name__}"}
+    finally:
+        _set_rng_states(saved, numpy)
+    return {"ran": True, "draws": draws, "unstable": unstable}
+
+
+_RANDOM_SOURCE = re.compile(
+    r"\b(random\.\w+\(|np\.random\.|numpy\.random\.|torch\.(rand|randn|randint|randperm|bernoulli|normal|"
+    r"multinomial)\b|\.(uniform_|normal_|random_|bernoulli_)\(|default_rng\()"
+)
+
+
+def _random_hint(dataset: Any) -> str | None:
+    """A short reason to think ``dataset`` draws random numbers per sample, else None (a heuristic)."""
+    stack: list[Any] = [dataset]
+    seen: set[int] = set()
+    names: list[str] = []
+    while stack and len(seen) < 50:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+            continue
+        cls = type(obj).__name__
+        if cls.startswith("Random") or cls in (
+            "ColorJitter",
+            "AutoAugment",
+            "RandAugment",
+            "TrivialAugmentWide",
+        ):
+            names.append(cls)
+        for attr in (
+            "transform",
+            "transforms",
+            "target_transform",
+            "augment",
+            "augmentation",
+            "dataset",
+            "datasets",
+        ):
+            with contextlib.suppress(Exception):
+                stack.append(getattr(obj, attr, None))
+    if names:
+        return "transforms " + ", ".join(sorted(set(names)))
+    getitem = getattr(type(dataset), "__getitem__", None)
+    try:
+        source = inspect.getsource(getitem) if getitem is not None else ""
+    except (OSError, TypeError):
+        source = ""
+    m = _RANDOM_SOURCE.search(source)
+    if m:
+        return f"{type(dataset).__name__}.__getitem__ calls {m.group(0).rstrip('(')}"
+    return None
+
+
+def _sampler_facts(loader: Any, given: str | None) -> dict[str, Any]:
+    """The sampler that draws the order (the one given, alone or inside a batch sampler, or the
+    one DataLoader made from ``shuffle=``, which takes the loader's generator) and whether it is
+    seeded: it holds a generator, or it is accelerate's ``SeedableRandomSampler`` (it seeds itself
+    each pass from ``data_seed`` or torch's initial seed)."""
+    import torch.utils.data as data_mod
+
+    sampler = loader.sampler
+    if given == "batch_sampler" or not isinstance(sampler, data_mod.RandomSampler):
+        inner = getattr(loader.batch_sampler, "sampler", None)
+        sampler = inner if inner is not None else sampler
+    return {
+        "shuffle": isinstance(sampler, data_mod.RandomSampler),
+        "sampler": type(sampler).__name__,
+        "sampler_generator": getattr(sampler, "generator", None) is not None
+        or type(sampler).__name__ == "SeedableRandomSampler",
+    }
+
+
+class SettingsProbe:
+    """Watches what the audited script sets; writes it as JSON after each optimizer step and at exit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.start_seed = torch.initial_seed()
+        self.start_env = {
+            k: os.environ.get(k) for k in ("PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        }
+        self.hash_randomization = bool(sys.flags.hash_randomization)
+        self.set_num_threads_called = False
+        self._loaders: list[tuple[Any, dict[str, Any]]] = []  # (weakref to the loader, its record)
+        self.compile_calls: list[dict[str, Any]] = []
+        self.optimizer_steps = 0
+        self.calls: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self.requested_deterministic: tuple[bool, bool] | None = None
+        # the script's seeding: per global RNG, whether its last seeding used a value no other
+        # unseeded source produced; and each seeding call whose value came from one
+        self.seeded: dict[str, bool] = {}
+        self.tainted_seeds: list[dict[str, Any]] = []
+        self._drawn: dict[int, str] = {}  # values unseeded sources returned -> the source
+        self._probed: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(dataset) -> (dataset, probe)
+
+    def install(self) -> None:
+        import torch.optim.optimizer as optim_mod
+        import torch.utils.data as data_mod
+
+        probe = self
+        original_init = data_mod.DataLoader.__init__
+        signature = inspect.signature(original_init)
+
+        @functools.wraps(original_init)
+        def init(loader: Any, *a: Any, **kw: Any) -> None:
+            original_init(loader, *a, **kw)
+            with contextlib.suppress(Exception):
+                probe._record_loader(loader, signature.bind(loader, *a, **kw).arguments)
+
+        data_mod.DataLoader.__init__ = init  # type: ignore[method-assign,assignment]
+
+        original_compile = torch.compile
+
+        @functools.wraps(original_compile)
+        def compile_(*a: Any, **kw: Any) -> Any:
+            backend = kw.get("backend", "inductor")
+            probe.compile_calls.append(
+                {
+                    "location": _user_location(),
+                    "backend": backend
+                    if isinstance(backend, str)
+                    else getattr(backend, "__name__", "custom"),
+                    "mode": kw.get("mode"),
+                }
+            )
+            return original_compile(*a, **kw)
+
+        torch.compile = compile_
+
+        original_deterministic = torch.use_deterministic_algorithms
+
+        @functools.wraps(original_deterministic)
+        def use_deterministic_algorithms(mode: bool, *, warn_only: bool = False) -> None:
+            # Record what the script asks for, but only warn: an op that raises under strict mode
+            # (max_unpool, put_ on the CPU; many more on CUDA) must not stop the audit at the first.
+            probe.requested_deterministic = (bool(mode), bool(warn_only))
+            original_deterministic(mode, warn_only=True)
+
+        torch.use_deterministic_algorithms = use_deterministic_algorithms
+
+        original_threads = torch.set_num_threads
+
+        @functools.wraps(original_threads)
+        def set_num_threads(n: int) -> None:
+            probe.set_num_threads_called = True
+            original_threads(n)
+
+        torch.set_num_threads = set_num_threads  # type: ignore[assignment]
+
+        def after_step(*_: Any) -> None:
+            probe.optimizer_steps += 1
+            probe.write()
+
+        self._watch_calls()
+        self._watch_seeding()
+        optim_mod.register_optimizer_step_post_hook(after_step)
+        atexit.register(self.write)
+
+    def _watch_calls(self) -> None:
+        """Wrap the few functions whose arguments decide a table condition; record the facts by line."""
+        import torch.nn.functional as fn
+
+        def wrap(owner: Any, name: str, facts: Any) -> None:
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+            probe = self
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                with contextlib.suppress(Exception):
+                    if len(probe.calls) < 10_000:
+                        record = {"fn": name.rstrip("_"), "location": _user_location(), **facts(a, kw)}
+                        probe.calls.setdefault(tuple(sorted(record.items())), record)
+                return original(*a, **kw)
+
+            setattr(owner, name, wrapper)
+
+        def pos(a: Sequence[Any], kw: Mapping[str, Any], index: int, key: str, default: Any) -> Any:
+            return kw[key] if key in kw else (a[index] if len(a) > index else default)
+
+        def cumsum(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            dtype = kw.get("dtype") or getattr(a[0], "dtype", None)
+            return {"floating": dtype.is_floating_point or dtype.is_complex} if dtype is not None else {}
+
+        def bincount(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"weights": pos(a, kw, 1, "weights", None) is not None}
+
+        def scatter_reduce(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"reduce": pos(a, kw, 4, "reduce", None)}
+
+        def loss(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            reduction = pos(a, kw, 6, "reduction", "mean")
+            return {"reduction": "none" if kw.get("reduce") is False else reduction}
+
+        def embedding_bag(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"mode": pos(a, kw, 6, "mode", "mean")}
+
+        for owner in (torch, torch.Tensor):
+            wrap(owner, "cumsum", cumsum)
+            wrap(owner, "bincount", bincount)
+            wrap(owner, "scatter_reduce", scatter_reduce)
+        wrap(torch.Tensor, "cumsum_", cumsum)
+        wrap(torch.Tensor, "scatter_reduce_", scatter_reduce)
+        wrap(fn, "nll_loss", loss)
+        wrap(fn, "cross_entropy", loss)
+        wrap(fn, "embedding_bag", embedding_bag)
+
+    def _watch_seeding(self) -> None:
+        """Wrap the global seeding functions, and the unseeded sources a seed may be drawn from.
+
+        A seeding call counts for its RNG when its value is not one an unseeded source returned
+        (``random.randint`` before any ``random.seed``, ``np.random.randint`` likewise,
+        ``secrets``, ``os.urandom``, ``torch.seed()``; values of 2**16 and up, so a small constant
+        is never mistaken for one), not the clock (within an hour of now, in s, ms, us or ns), and
+        not ``seed()`` from OS entropy.
+        Calls made while a DataLoader fetches (a dataset seeding itself per index) do not count.
+        """
+        import random
+        import secrets
+
+        probe = self
+        numpy = _numpy()
+
+        def unseeded_source(owner: Any, name: str, source: str, rng: str | None, to_int: Any = int) -> None:
+            original = getattr(owner, name, None)
+            if original is None:
+                return
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                value = original(*a, **kw)
+                if (rng is None or not probe.seeded.get(rng)) and len(probe._drawn) < 10_000:
+                    with contextlib.suppress(Exception):
+                        for v in to_int(value):
+                            if abs(v) >= 2**16:  # a small constant seed (0, 42) is never taken for one
+                                probe._drawn.setdefault(v, source)
+                return value
+
+            setattr(owner, name, wrapper)
+
+        def ints(value: Any) -> list[int]:
+            return [int(value)]
+
+        def from_bytes(value: Any) -> list[int]:
+            return [int.from_bytes(value, "big"), int.from_bytes(value, "little")] if len(value) <= 8 else []
+
+        def seeding(owner: Any, name: str, rng: str, what: str) -> None:
+            original = getattr(owner, name)
+
+            @functools.wraps(original)
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                value = a[0] if a else next(iter(kw.values()), None)
+                with contextlib.suppress(Exception):
+                    if not _in_loader_fetch():
+                        probe._on_seed(rng, what, value)
+                return original(*a, **kw)
+
+            setattr(owner, name, wrapper)
+
+        for name in ("randint", "randrange", "getrandbits"):
+            unseeded_source(random, name, f"random.{name}", "random", ints)
+        for name in ("randbits", "randbelow"):
+            unseeded_source(secrets, name, f"secrets.{name}", None, ints)
+        unseeded_source(os, "urandom", "os.urandom", None, from_bytes)
+        unseeded_source(torch, "seed", "torch.seed()", None, ints)
+        entropy_seed = torch.seed
+
+        @functools.wraps(entropy_seed)
+        def torch_seed() -> int:
+            probe.seeded["torch"] = False  # torch.seed() seeds from OS entropy
+            return entropy_seed()
+
+        torch.seed = torch_seed
+        seeding(random, "seed", "random", "random.seed")
+        seeding(torch, "manual_seed", "torch", "torch.manual_seed")
+        if numpy is not None:
+            unseeded_source(
+                numpy.random, "randint", "np.random.randint", "numpy", lambda v: numpy.ravel(v)[:1]
+            )
+            seeding(numpy.random, "seed", "numpy", "np.random.seed")
+
+    def _on_seed(self, rng: str, what: str, value: Any) -> None:
+        import operator
+        import time
+
+        if value is None:
+            source: str | None = "OS entropy (called without a seed)"
+        else:
+            try:
+                number = operator.index(value)
+            except TypeError:
+                number = None
+            source = None if number is None else self._drawn.get(number)
+            if number is not None and source is None and number > 10**9:
+                # the clock in seconds, milliseconds or nanoseconds, within an hour of now
+                now = time.time()
+                if any(abs(number / scale - now) < 3600 for scale in (1, 10**3, 10**6, 10**9)):
+                    source = "the current time"
+        self.seeded[rng] = source is None
+        if source is not None and len(self.tainted_seeds) < 100:
+            location, framework = user_site()
+            self.tainted_seeds.append(
+                {"call": what, "rng": rng, "location": location, "source": source, "framework": framework}
+            )
+
+    def _record_loader(self, loader: Any, arguments: Mapping[str, Any]) -> None:
+        import weakref
+
+        seeded = any(
+            c.__name__ == "SeededLoader" and c.__module__.startswith("torchrepro")
+            for c in type(loader).__mro__
+        )
+        given = "batch_sampler" if arguments.get("batch_sampler") is not None else None
+        given = "sampler" if arguments.get("sampler") is not None else given
+        location, framework = user_site()
+        dataset = loader.dataset
+        probe: dict[str, Any] = {"ran": False, "reason": "a SeededLoader seeds every sample"}
+        earlier = self._probed.get(id(dataset))
+        if seeded:
+            pass
+        elif earlier is not None and earlier[0] is dataset:
+            probe = earlier[1]
+        else:
+            probe = _probe_dataset(dataset)
+            self._probed[id(dataset)] = (dataset, probe)
+        record = {
+            "location": location,
+            "framework": framework,
+            "class": type(loader).__name__,
+            "dataset": type(dataset).__name__,
+            "seeded_loader": seeded,
+            "num_workers": int(loader.num_workers),
+            "worker_init_fn": loader.worker_init_fn is not None,
+            "generator": loader.generator is not None,
+            "sampler_given": given,
+            **_sampler_facts(loader, given),
+            "probe": probe,
+            "random_hint": _random_hint(dataset),
+        }
+        # a framework rebuilding a loader over the same dataset from the same user line (the HF
+        # Trainer, then accelerate's prepare) replaces the earlier record: one loader, one finding
+        for i, (_, old) in enumerate(self._loaders):
+            if old["location"] == location and old.get("_dataset") == id(dataset) and not seeded:
+                del self._loaders[i]
+                break
+        record["_dataset"] = id(dataset)
+        self._loaders.append((weakref.ref(loader), record))
+
+    def _loader_records(self) -> list[dict[str, Any]]:
+        """The loaders' records, their sampler facts read now: a framework may swap the sampler
+        after creating the loader (accelerate's ``set_sampler``)."""
+        out = []
+        for ref, record in self._loaders:
+            loader = ref()
+            if loader is not None:
+                with contextlib.suppress(Exception):
+                    record.update(_sampler_facts(loader, record["sampler_given"]))
+            out.append({k: v for k, v in record.items() if not k.startswith("_")})
+        return out
+
+    def snapshot(self) -> ProbeSettings:
+        """What the probe has seen so far."""
+        inductor = sys.modules.get("torch._inductor.config")
+        flags = DeterminismFlags.capture()
+        deterministic, warn_only = flags.deterministic_algorithms, flags.warn_only
+        if self.requested_deterministic is not None and self.requested_deterministic[0] == deterministic:
+            warn_only = self.requested_deterministic[1]  # the probe turned a strict request into warn-only
+        return ProbeSettings(
+            hash_randomization=self.hash_randomization,
+            pythonhashseed=self.start_env["PYTHONHASHSEED"],
+            cublas_workspace_config=flags.cublas_workspace_config,
+            deterministic_algorithms=deterministic,
+            warn_only=warn_only,
+            cudnn_benchmark=flags.cudnn_benchmark,
+            cudnn_deterministic=flags.cudnn_deterministic,
+            cudnn_allow_tf32=flags.cudnn_allow_tf32,
+            cuda_matmul_allow_tf32=flags.cuda_matmul_allow_tf32,
+            float32_matmul_precision=flags.float32_matmul_precision,
+            num_threads=torch.get_num_threads(),
+            set_num_threads_called=self.set_num_threads_called,
+            thread_env={k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
+            torch_seeded=torch.initial_seed() != self.start_seed,
+            seeded={
+                "random": self.seeded.get("random", False),
+                "numpy": self.seeded.get("numpy", False),
+                "torch": torch.initial_seed() != self.start_seed and self.seeded.get("torch", True),
+            },
+            tainted_seeds=tuple(self.tainted_seeds),
+            inductor_deterministic=getattr(inductor, "deterministic", None) if inductor else None,
+            compile_calls=tuple(self.compile_calls),
+            dataloaders=tuple(self._loader_records()),
+            optimizer_steps=self.optimizer_steps,
+            calls=tuple(self.calls.values()),
+            cuda_initialized=torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
+        )
+
+    def write(self) -> None:
+        with contextlib.suppress(Exception):
+            atomic_write_json(self.path, self.snapshot().to_dict())

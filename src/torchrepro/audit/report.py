@@ -1,0 +1,78 @@
+"""The audit report of a run: every rule applied, the findings sorted, what was seen.
+
+Invariants:
+- ``report`` applies the table rules (TR001/TR002), the op rules and, when the probe wrote its
+  record, the settings rules, and lists the findings by ``findings.sort_key``; it runs nothing.
+- ``AuditReport.to_dict()`` is the object ``audit --json`` prints: ``findings`` (each with the
+  keys of ``Finding.to_dict()``), ``script``, ``steps``, ``optimizer_steps``, ``ops_recorded``,
+  ``torch_version``, ``table_release`` and ``settings`` (``ProbeSettings.to_dict()``, ``{}`` when
+  the probe wrote nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torchrepro.audit.findings import Finding, sort_key
+from torchrepro.audit.op_rules import as_event, audit_ops, table_findings
+from torchrepro.audit.optable import _load_table
+from torchrepro.audit.settings import ProbeSettings
+from torchrepro.audit.settings_rules import audit_settings
+
+__all__ = ["AuditReport", "report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+    """The result of :func:`audit_script`: the findings, most severe first, and what was seen."""
+
+    findings: tuple[Finding, ...]
+    script: str
+    steps: int
+    optimizer_steps: int | None
+    ops_recorded: int
+    torch_version: str
+    table_release: str
+    settings: ProbeSettings | None
+
+    @property
+    def errors(self) -> tuple[Finding, ...]:
+        """The findings of severity ``error``."""
+        return tuple(f for f in self.findings if f.severity == "error")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict: ``{"findings": [...], "script", "steps", ...}``."""
+        return {
+            "findings": [f.to_dict() for f in self.findings],
+            "script": self.script,
+            "steps": self.steps,
+            "optimizer_steps": self.optimizer_steps,
+            "ops_recorded": self.ops_recorded,
+            "torch_version": self.torch_version,
+            "table_release": self.table_release,
+            "settings": self.settings.to_dict() if self.settings is not None else {},
+        }
+
+
+def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSettings | None) -> AuditReport:
+    """The audit report of a run: table, op and settings findings, most severe first
+    (``settings`` None: the probe wrote nothing, and no setting is judged)."""
+    calls = settings.calls if settings is not None else ()
+    findings = table_findings() + audit_ops(events, calls=calls)
+    if settings is not None:
+        findings += audit_settings(settings, events=events)
+    steps_done = settings.optimizer_steps if settings is not None else None
+    return AuditReport(
+        findings=tuple(sorted(findings, key=sort_key)),
+        script=script,
+        steps=steps,
+        optimizer_steps=steps_done if isinstance(steps_done, int) else None,
+        ops_recorded=sum(as_event(e).count for e in events),
+        torch_version=torch.__version__,
+        table_release=_load_table().release,
+        settings=settings,
+    )

@@ -1,0 +1,287 @@
+"""The settings rules: findings for the switches, seeding and compilation a script ran with.
+
+Invariants:
+- ``audit_settings`` is a pure function of the probe's ``ProbeSettings`` and the recorded ops:
+  testable without running anything. Each finding code has one small rule (``_RULES``, in the
+  order the codes were checked); a rule returns the findings of its code, usually none or one.
+- The recorded ops decide which settings matter (``_Run``): the CUBLAS variable only when cuBLAS
+  ops ran, deterministic mode only when ops that need it ran, cuDNN's TF32 only when the script
+  convolves.
+- Loader and seed records are judged by ``audit.loader_rules``; findings are sorted by
+  ``findings.sort_key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torchrepro.audit.findings import Finding, settings_finding, sort_key
+from torchrepro.audit.loader_rules import loader_findings, tainted_seed_finding
+from torchrepro.audit.op_rules import as_event, audit_ops
+from torchrepro.audit.optable import _load_table
+from torchrepro.audit.settings import ProbeSettings
+from torchrepro.flags import CUBLAS_CONFIGS
+
+__all__ = ["audit_settings"]
+
+_STRICT = "torchrepro run, or torch.use_deterministic_algorithms(True)"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """The settings, and what the recorded ops say about which of them matter."""
+
+    settings: ProbeSettings
+    needs_strict: list[str]  # ops strict mode makes deterministic (not cuDNN's when it is deterministic)
+    cannot: list[str]  # ops with no deterministic implementation (or that may have none)
+    uses_cublas: bool
+    uses_conv: bool
+
+
+def _run(settings: ProbeSettings, events: Iterable[Any]) -> _Run:
+    table = _load_table()
+    evs = [as_event(e) for e in events]
+    op_findings = audit_ops(evs, calls=settings.calls)
+    needs_strict = sorted({f.op or "" for f in op_findings if f.severity == "info"})
+    if settings.cudnn_deterministic:
+        conv = {s.name for e in table.entries if e.code == "TR120" for s in e.ops}
+        needs_strict = [o for o in needs_strict if o.rsplit(".", 1)[0] not in conv and o not in conv]
+    return _Run(
+        settings=settings,
+        needs_strict=needs_strict,
+        cannot=sorted({f.op or "" for f in op_findings if f.severity in ("error", "warning")}),
+        uses_cublas=any(e.name in table.cublas_ops for e in evs),
+        uses_conv=any(e.name in ("aten.convolution", "aten._convolution") for e in evs),
+    )
+
+
+def _hash_randomization(run: _Run) -> list[Finding]:
+    """TR201: PYTHONHASHSEED was unset when Python started."""
+    if not run.settings.hash_randomization:
+        return []
+    return [
+        settings_finding(
+            "TR201",
+            "warning",
+            "Hash randomisation is on (PYTHONHASHSEED unset when Python started): the iteration order "
+            "of sets of str/bytes changes every run. It is read once at interpreter start, so setting "
+            "os.environ inside the script changes nothing for that process.",
+            "Start the script with PYTHONHASHSEED=0 (torchrepro run does), or call "
+            "torchrepro.relaunch() at the top of the script.",
+        )
+    ]
+
+
+def _cublas_workspace(run: _Run) -> list[Finding]:
+    """TR202: cuBLAS ops ran without a deterministic ``CUBLAS_WORKSPACE_CONFIG`` (strict mode: an error)."""
+    cublas = run.settings.cublas_workspace_config
+    if cublas in CUBLAS_CONFIGS or not run.uses_cublas:
+        return []
+    strict = bool(run.settings.deterministic_algorithms) and not run.settings.warn_only
+    return [
+        settings_finding(
+            "TR202",
+            "error" if strict else "warning",
+            f"CUBLAS_WORKSPACE_CONFIG is {'unset' if cublas is None else repr(cublas)} and the script "
+            "runs cuBLAS matmuls: "
+            + (
+                "with the deterministic algorithms it turns on, every matmul raises RuntimeError on CUDA."
+                if strict
+                else "on CUDA, cuBLAS may then pick nondeterministic reductions."
+            ),
+            f"Set CUBLAS_WORKSPACE_CONFIG={CUBLAS_CONFIGS[0]} (or {CUBLAS_CONFIGS[1]}) in the "
+            "environment before CUDA starts (torchrepro run does).",
+        )
+    ]
+
+
+def _cudnn_benchmark(run: _Run) -> list[Finding]:
+    """TR203: cuDNN benchmarking is on."""
+    if not run.settings.cudnn_benchmark:
+        return []
+    return [
+        settings_finding(
+            "TR203",
+            "warning",
+            "torch.backends.cudnn.benchmark is on: cuDNN times candidate algorithms and may pick a "
+            "different one each run.",
+            "Set torch.backends.cudnn.benchmark = False (strict mode does).",
+        )
+    ]
+
+
+def _reduced_precision(run: _Run) -> list[Finding]:
+    """TR204: TF32 or a lower float32 matmul precision."""
+    settings = run.settings
+    tf32 = []
+    if settings.cuda_matmul_allow_tf32:
+        tf32.append("torch.backends.cuda.matmul.allow_tf32 is on")
+    precision = settings.float32_matmul_precision
+    if precision not in (None, "highest"):
+        tf32.append(f"float32 matmul precision is {precision!r}")
+    if settings.cudnn_allow_tf32 and run.uses_conv:
+        tf32.append("torch.backends.cudnn.allow_tf32 is on (the default) and the script convolves")
+    if not tf32:
+        return []
+    return [
+        settings_finding(
+            "TR204",
+            "info",
+            "Reduced-precision float32 math: "
+            + "; ".join(tf32)
+            + ". Results are repeatable on the same hardware but differ from full float32 and between "
+            "GPU generations (TF32 on Ampere and later; bf16 matmuls on some CPUs).",
+            "torch.backends.cuda.matmul.allow_tf32 = False, torch.backends.cudnn.allow_tf32 = False, "
+            "torch.set_float32_matmul_precision('highest') (strict mode does).",
+        )
+    ]
+
+
+def _deterministic_off(run: _Run) -> list[Finding]:
+    """TR205: deterministic algorithms are off and ops that need them ran."""
+    if run.settings.deterministic_algorithms is not False or not run.needs_strict:
+        return []
+    return [
+        settings_finding(
+            "TR205",
+            "warning",
+            "Deterministic algorithms are off, and the script runs ops that are nondeterministic on CUDA "
+            "without them: " + ", ".join(run.needs_strict) + ".",
+            f"Turn strict mode on ({_STRICT}); it makes these ops deterministic at some speed cost.",
+        )
+    ]
+
+
+def _warn_only(run: _Run) -> list[Finding]:
+    """TR206: deterministic algorithms in warn-only mode (the ops that stay nondeterministic named)."""
+    if not (run.settings.deterministic_algorithms and run.settings.warn_only):
+        return []
+    stays = ", ".join(run.cannot + run.needs_strict) or "none recorded in this run"
+    return [
+        settings_finding(
+            "TR206",
+            "warning",
+            "Deterministic algorithms are in warn-only mode: ops without a deterministic implementation "
+            f"only warn and stay nondeterministic (and so do SDPA backward kernels). Affected: {stays}.",
+            "Use torch.use_deterministic_algorithms(True) without warn_only, and fix the ops it rejects.",
+        )
+    ]
+
+
+def _threads(run: _Run) -> list[Finding]:
+    """TR207: the thread count is pinned neither by the script nor by the environment."""
+    settings = run.settings
+    if settings.set_num_threads_called is not False or any(settings.thread_env.values()):
+        return []
+    return [
+        settings_finding(
+            "TR207",
+            "warning",
+            f"The thread count is not pinned (torch uses {settings.num_threads} threads here, from the "
+            "machine's cores): CPU results (convolution backward, large sums) change with the thread "
+            "count, so the same script differs between machines.",
+            "Pin it: torchrepro run --threads N, OMP_NUM_THREADS=N, or torch.set_num_threads(N).",
+        )
+    ]
+
+
+def _torch_unseeded(run: _Run) -> list[Finding]:
+    """TR208: the script never seeds torch."""
+    if run.settings.torch_seeded is not False:
+        return []
+    return [
+        settings_finding(
+            "TR208",
+            "warning",
+            "The script never seeds torch's RNG: initial weights, dropout masks and shuffling differ "
+            "every run.",
+            "Call torchrepro.seed_everything(0) (or torch.manual_seed) before building the model, "
+            "or run it with torchrepro run --seed N.",
+        )
+    ]
+
+
+def _loaders(run: _Run) -> list[Finding]:
+    """TR301-TR304, TR306: each DataLoader (``audit.loader_rules``)."""
+    return [f for loader in run.settings.dataloaders for f in loader_findings(loader, run.settings.seeded)]
+
+
+def _tainted_seeds(run: _Run) -> list[Finding]:
+    """TR305: seeds drawn from unseeded sources (``audit.loader_rules``)."""
+    return [tainted_seed_finding(call) for call in run.settings.tainted_seeds]
+
+
+def _compile(run: _Run) -> list[Finding]:
+    """TR401: ``torch.compile`` with Inductor and without its deterministic mode, per call."""
+    settings = run.settings
+    if settings.deterministic_algorithms or settings.inductor_deterministic:
+        return []
+    out = []
+    for call in settings.compile_calls:
+        if (call.get("backend") or "inductor") != "inductor":
+            continue
+        mode = call.get("mode")
+        out.append(
+            settings_finding(
+                "TR401",
+                "warning",
+                "torch.compile with Inductor and without its deterministic mode: on GPU Inductor "
+                "benchmarks and autotunes kernels (matmul padding, templates, reduction configs) and "
+                "keeps the fastest, which can change the numerics from run to run"
+                + (f"; mode={mode!r} autotunes even more." if mode and "autotune" in str(mode) else "."),
+                "Turn on deterministic algorithms (strict mode; it switches Inductor to its "
+                "deterministic mode) or set torch._inductor.config.deterministic = True "
+                "(TORCHINDUCTOR_DETERMINISTIC=1).",
+                call.get("location"),
+            )
+        )
+    return out
+
+
+def _no_optimizer_step(run: _Run) -> list[Finding]:
+    """TR003: the script made no optimizer step while audited."""
+    if run.settings.optimizer_steps != 0:
+        return []
+    return [
+        settings_finding(
+            "TR003",
+            "info",
+            "The script made no optimizer step while audited; the findings cover what ran (an "
+            "inference-only run records no backward ops).",
+            "Audit with arguments under which the script trains (a short config is enough: the audit "
+            "stops after --steps optimizer steps).",
+        )
+    ]
+
+
+_RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
+    _hash_randomization,
+    _cublas_workspace,
+    _cudnn_benchmark,
+    _reduced_precision,
+    _deterministic_off,
+    _warn_only,
+    _threads,
+    _torch_unseeded,
+    _loaders,
+    _tainted_seeds,
+    _compile,
+    _no_optimizer_step,
+)
+
+
+def audit_settings(settings: ProbeSettings, *, events: Iterable[Any] = ()) -> list[Finding]:
+    """Findings for the determinism settings a script ran with (what the probe saw).
+
+    ``events`` (the recorded ops) decide which settings matter: the CUBLAS variable only when
+    cuBLAS ops ran, deterministic mode only when ops that need it ran.
+
+    >>> from torchrepro._child.probe import SettingsProbe
+    >>> settings = SettingsProbe("unused.json").snapshot()  # a probe, not installed
+    >>> "TR203" in [f.code for f in audit_settings(dataclasses.replace(settings, cudnn_benchmark=True))]
+    True
+    """
+    run = _run(settings, events)
+    return sorted((f for rule in _RULES for f in rule(run)), key=sort_key)

@@ -1,0 +1,270 @@
+"""The op rules (``audit.op_rules``) in-process: every table entry found from a CPU run, op analysis.
+
+The op examples run real torch ops on the CPU under the real ``OpRecorder``: each entry of the table
+must be found from the ops a CPU run records (that is the point of the audit), and a plain CNN
+must give no error (negative control).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchrepro.audit import AuditReport, Finding, audit_ops
+from torchrepro.audit.optable import _load_table
+from torchrepro.errors import TraceError
+from torchrepro.tracing import OpRecorder
+
+# --------------------------------------------------------------------------------------------
+# Every entry is found from a CPU run (real ops, real recorder)
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, requires_grad=True)
+
+
+def _unpool() -> None:
+    out, idx = nn.MaxPool2d(2, return_indices=True)(_x(1, 1, 4, 4))
+    nn.MaxUnpool2d(2)(out, idx).sum().backward()
+
+
+def _ctc() -> None:
+    log_probs = _x(10, 2, 5).log_softmax(2)
+    targets = torch.randint(1, 5, (2, 4))
+    nn.CTCLoss()(log_probs, targets, torch.full((2,), 10), torch.full((2,), 4)).backward()
+
+
+def _sdpa() -> None:
+    q = _x(1, 2, 4, 8)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()
+
+
+EXAMPLES: dict[str, Callable[[], object]] = {
+    "TR101": lambda: nn.AvgPool3d(2)(_x(1, 1, 4, 4, 4)).sum().backward(),
+    "TR102": lambda: nn.AdaptiveAvgPool2d(3)(_x(1, 2, 6, 6)).sum().backward(),
+    "TR103": lambda: nn.AdaptiveMaxPool2d(3)(_x(1, 2, 6, 6)).sum().backward(),
+    "TR104": lambda: nn.FractionalMaxPool2d(2, output_size=3)(_x(1, 2, 6, 6)).sum().backward(),
+    "TR105": _unpool,
+    "TR106": lambda: F.interpolate(_x(1, 1, 4, 4), scale_factor=2, mode="bicubic").sum().backward(),
+    "TR107": lambda: F.pad(_x(1, 1, 4, 4), (1, 1, 1, 1), mode="reflect").sum().backward(),
+    "TR108": lambda: F.cross_entropy(_x(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))).backward(),
+    "TR109": _ctc,
+    "TR110": lambda: nn.EmbeddingBag(10, 3, mode="max")(torch.tensor([[1, 2], [3, 4]])).sum().backward(),
+    "TR111": lambda: torch.zeros(5).put_(torch.tensor([1, 3]), torch.ones(2), accumulate=True),
+    "TR112": lambda: torch.histc(torch.randn(10), bins=4),
+    "TR113": lambda: torch.bincount(torch.tensor([1, 2, 2]), weights=torch.ones(3)),
+    "TR114": lambda: torch.randn(3, 4).median(dim=1),
+    "TR115": lambda: (
+        F.grid_sample(_x(1, 1, 4, 4), torch.rand(1, 3, 3, 2) * 2 - 1, align_corners=False).sum().backward()
+    ),
+    "TR116": lambda: _x(5).cumsum(0).sum().backward(),
+    "TR117": lambda: torch.ones(3).scatter_reduce(0, torch.tensor([0, 0, 1]), torch.rand(3), reduce="prod"),
+    "TR120": lambda: nn.Conv2d(1, 1, 3)(_x(1, 1, 5, 5)).sum().backward(),
+    "TR121": lambda: nn.ReplicationPad2d(1)(_x(1, 1, 4, 4)).sum().backward(),
+    "TR123": lambda: _x(5)[(torch.tensor([0, 0, 2]),)].sum().backward(),
+    "TR124": lambda: _x(5).gather(0, torch.tensor([1, 1])).sum().backward(),
+    "TR125": lambda: _x(5).index_select(0, torch.tensor([1, 1])).sum().backward(),
+    "TR126": lambda: torch.zeros(5).index_copy_(0, torch.tensor([1, 3]), torch.ones(2)),
+    "TR127": lambda: torch.zeros(5).scatter_(0, torch.tensor([1, 1]), torch.ones(2)),
+    "TR129": lambda: nn.MaxPool3d(2)(_x(1, 1, 4, 4, 4)).sum().backward(),
+    "TR130": _sdpa,
+}
+NEEDS_ARGUMENTS = {
+    # Reported only when the recording carries the call's arguments (the OpRecorder does not):
+    "TR118": "resize_ matters only on quantized tensors",
+    "TR122": "bmm matters only with a sparse input",
+    "TR128": "scatter_reduce sum/mean vs amax/amin needs the reduce argument",
+}
+
+
+def _record(fn: Callable[[], object]) -> list[Any]:
+    with OpRecorder() as rec:
+        fn()
+    return rec.events
+
+
+def test_every_entry_has_an_example_or_a_reason() -> None:
+    codes = {e.code for e in _load_table().entries}
+    assert set(EXAMPLES) | set(NEEDS_ARGUMENTS) == codes
+    assert not set(EXAMPLES) & set(NEEDS_ARGUMENTS)
+
+
+@pytest.mark.parametrize("code", sorted(EXAMPLES))
+def test_entry_is_found_from_a_cpu_run(code: str, rng_changes_ok: None) -> None:
+    torch.manual_seed(0)
+    findings = [f for f in audit_ops(_record(EXAMPLES[code])) if f.code == code]
+    assert findings, f"{code}: no finding from the ops of its example"
+    entry = next(e for e in _load_table().entries if e.code == code)
+    want = {"raises": {"error", "warning"}, "deterministic": {"info"}, "extra": {"info"}}[entry.section]
+    assert {f.severity for f in findings} <= want
+    if entry.condition is not None and entry.section == "raises":
+        # the recorder gives no arguments: the finding says what it cannot tell, and is no error
+        assert all(f.severity == "warning" and "cannot tell" in f.message for f in findings)
+    elif entry.section == "raises":
+        assert all(f.severity == "error" for f in findings)
+    location = findings[0].location or ""
+    assert location.startswith("tests/audit/test_audit_op_rules.py:"), location
+
+
+def _clean_cnn_step() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1),  # computed as a mean by PyTorch: deterministic
+        nn.Flatten(),
+        nn.Dropout(0.1),
+        nn.Linear(8, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss = F.cross_entropy(model(torch.randn(4, 3, 8, 8)), torch.randint(0, 10, (4,)))
+    loss.backward()
+    opt.step()
+
+
+def test_clean_cnn_gives_no_error_and_no_warning(rng_changes_ok: None) -> None:
+    events = _record(_clean_cnn_step)
+    assert len(events) > 20  # the recorder saw the whole step
+    findings = audit_ops(events)
+    assert [f.code for f in findings] == ["TR120"]  # convolution: info, made deterministic by strict
+    assert findings[0].severity == "info"
+
+
+def test_backward_finding_points_at_the_forward_call(rng_changes_ok: None) -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = nn.AdaptiveAvgPool2d(2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.pool(x)  # forward-line
+
+    net = Net()
+    events = _record(lambda: net(_x(1, 1, 6, 6)).sum().backward())
+    (finding,) = [f for f in audit_ops(events) if f.code == "TR102"]
+    line = next(
+        n for n, t in enumerate(Path(__file__).read_text().splitlines(), 1) if t.endswith("# forward-line")
+    )
+    assert (finding.module, finding.location) == ("pool", f"tests/audit/test_audit_op_rules.py:{line}")
+    assert finding.op == "aten._adaptive_avg_pool2d_backward"
+    assert "recorded in backward" in finding.message and finding.severity == "error"
+
+
+# --------------------------------------------------------------------------------------------
+# audit_ops on given events
+
+
+def _ev(op: str, location: str = "t.py:1", *, backward: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"op": op, "module": "m", "location": location, "backward": backward, "count": 1, **extra}
+
+
+def test_one_error_per_call_site_and_one_info_per_entry() -> None:
+    events = [
+        _ev("aten.reflection_pad2d_backward.default", "t.py:3", backward=True),
+        _ev("aten.reflection_pad2d_backward.default", "t.py:3", backward=True),
+        _ev("aten.reflection_pad2d_backward.default", "t.py:9", backward=True),
+        _ev("aten.convolution.default", "t.py:2"),
+        _ev("aten.convolution_backward.default", "t.py:2", backward=True),
+        _ev("aten.convolution.default", "t.py:5"),
+    ]
+    findings = audit_ops(events)
+    assert [(f.code, f.severity, f.location) for f in findings] == [
+        ("TR107", "error", "t.py:3"),
+        ("TR107", "error", "t.py:9"),
+        ("TR120", "info", "t.py:2"),
+    ]
+    assert "aten.convolution, aten.convolution_backward" in findings[2].message
+
+
+def test_phase_and_overload_must_match() -> None:
+    # the forward of reflection padding is deterministic; median without dim returns no indices
+    assert audit_ops([_ev("aten.reflection_pad2d.default"), _ev("aten.median.default")]) == []
+    assert [f.code for f in audit_ops([_ev("aten.median.dim")])] == ["TR114"]
+
+
+@pytest.mark.parametrize(
+    ("event", "expected"),
+    [
+        (_ev("aten.bincount.default", args=["x", None, 0]), []),
+        (_ev("aten.bincount.default", args=["x", "w", 0]), [("TR113", "error")]),
+        (_ev("aten.bincount.default"), [("TR113", "warning")]),
+        (_ev("aten.cumsum.default", args=[{"dtype": "torch.int64"}, 0]), []),
+        (_ev("aten.cumsum.default", args=[{"dtype": "torch.float32"}, 0]), [("TR116", "error")]),
+        (_ev("aten.scatter_reduce.two", args=["s", 0, "i", "prod"]), [("TR117", "error")]),
+        (_ev("aten.scatter_reduce.two", args=["s", 0, "i", "sum"]), [("TR128", "info")]),
+        (_ev("aten.scatter_reduce.two", args=["s", 0, "i", "amax"]), []),
+        (_ev("aten.nll_loss2d_forward.default", args=["x", "t", None, 0, -100]), []),
+        (_ev("aten.nll_loss2d_forward.default", args=["x", "t", None, 1, -100]), [("TR108", "error")]),
+        (_ev("aten.bmm.default"), []),  # unknown sparsity: skipped, bmm is everywhere
+        (_ev("aten.bmm.default", args=[{"layout": "torch.sparse_coo"}, "b"]), [("TR122", "info")]),
+    ],
+)
+def test_conditions_use_recorded_arguments_when_there_are_some(
+    event: dict[str, Any], expected: list[tuple[str, str]]
+) -> None:
+    assert [(f.code, f.severity) for f in audit_ops([event])] == expected
+
+
+def test_conditions_use_the_calls_the_probe_saw_at_the_same_line() -> None:
+    events = [_ev("aten.cumsum.default", "t.py:5"), _ev("aten.bincount.default", "t.py:6")]
+    calls = [
+        {"fn": "cumsum", "location": "t.py:5", "floating": False},
+        {"fn": "bincount", "location": "t.py:6", "weights": True},
+    ]
+    assert [(f.code, f.severity, f.location) for f in audit_ops(events, calls=calls)] == [
+        ("TR113", "error", "t.py:6")
+    ]
+    # two calls on one line, one floating: the op may be the floating one
+    calls.append({"fn": "cumsum", "location": "t.py:5", "floating": True})
+    assert [f.code for f in audit_ops(events, calls=calls) if f.severity == "error"] == ["TR113", "TR116"]
+    # facts from another line decide nothing
+    (finding,) = audit_ops([_ev("aten.cumsum.default", "t.py:9")], calls=calls)
+    assert finding.severity == "warning" and "cannot tell" in finding.message
+
+
+def test_events_may_be_opevent_objects_and_bad_events_are_named() -> None:
+    from torchrepro.tracing import OpEvent
+
+    event = OpEvent("aten.histc.default", "net.h", "t.py:4", False, 2)
+    (finding,) = audit_ops([event])
+    assert (finding.code, finding.module, finding.op) == ("TR112", "net.h", "aten.histc")
+    with pytest.raises(TraceError, match="'op'"):
+        audit_ops([{"module": "x"}])
+
+
+def test_finding_round_trip_and_validation() -> None:
+    f = Finding("TR112", "error", "aten.histc", "net.h", "t.py:4", "msg", "fix")
+    assert Finding.from_dict(json.loads(json.dumps(f.to_dict()))) == f
+    assert list(f.to_dict()) == ["code", "severity", "op", "module", "location", "message", "fix"]
+    with pytest.raises(ValueError, match="severity"):
+        Finding("TR1", "fatal", None, None, None, "m", "f")
+    report = AuditReport((f,), "s.py", 1, 1, 10, torch.__version__, "2.13", None)
+    assert report.errors == (f,)
+    assert json.loads(json.dumps(report.to_dict()))["findings"] == [f.to_dict()]
+
+
+# --------------------------------------------------------------------------------------------
+# The fixes the audit suggests remove the errors (examples/audit_example.py)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_suggested_fixes_remove_the_errors(fixed: bool, rng_changes_ok: None) -> None:
+    import importlib.util
+
+    path = Path(__file__).parents[2] / "examples" / "audit_example.py"
+    spec = importlib.util.spec_from_file_location("audit_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.SegNet(fixed=fixed)
+    events = _record(lambda: model(torch.randn(2, 3, 16, 16)).sum().backward())
+    errors = sorted(f.code for f in audit_ops(events) if f.severity == "error")
+    assert errors == ([] if fixed else ["TR102", "TR106", "TR107"])

@@ -1,0 +1,186 @@
+"""The settings rules (``audit.settings_rules``, ``audit.loader_rules``) on given settings and ops."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from torchrepro.audit import ProbeSettings, audit_settings
+from torchrepro.flags import CUBLAS_CONFIGS
+
+# --------------------------------------------------------------------------------------------
+# audit_settings
+
+
+def _settings(**changes: Any) -> ProbeSettings:
+    """Settings with which a script is reproducible and nothing is reported, changed as given."""
+    base = ProbeSettings(
+        hash_randomization=False,
+        pythonhashseed="0",
+        cublas_workspace_config=CUBLAS_CONFIGS[0],
+        deterministic_algorithms=True,
+        warn_only=False,
+        cudnn_benchmark=False,
+        cudnn_deterministic=True,
+        cudnn_allow_tf32=False,
+        cuda_matmul_allow_tf32=False,
+        float32_matmul_precision="highest",
+        num_threads=1,
+        set_num_threads_called=True,
+        thread_env={"OMP_NUM_THREADS": None, "MKL_NUM_THREADS": None},
+        torch_seeded=True,
+        seeded={"random": True, "numpy": True, "torch": True},
+        tainted_seeds=(),
+        inductor_deterministic=None,
+        compile_calls=(),
+        dataloaders=(),
+        optimizer_steps=1,
+        calls=(),
+        cuda_initialized=False,
+    )
+    records = {k: tuple(v) for k, v in changes.items() if isinstance(v, list)}
+    return dataclasses.replace(base, **{**changes, **records})
+
+
+def test_reproducible_settings_give_no_finding() -> None:
+    assert audit_settings(_settings(), events=CONV + MM) == []
+
+
+CONV = [{"op": "aten.convolution.default"}]
+MM = [{"op": "aten.addmm.default"}]
+
+
+@pytest.mark.parametrize(
+    ("settings", "events", "expected"),
+    [
+        ({"hash_randomization": True}, [], [("TR201", "warning")]),
+        ({"hash_randomization": False}, [], []),
+        ({"cublas_workspace_config": None, "deterministic_algorithms": False}, MM, [("TR202", "warning")]),
+        ({"cublas_workspace_config": None}, [], []),
+        ({"cublas_workspace_config": ":4096:8"}, MM, []),
+        (
+            {"cublas_workspace_config": None, "deterministic_algorithms": True, "warn_only": False},
+            MM,
+            [("TR202", "error")],
+        ),
+        ({"cudnn_benchmark": True}, [], [("TR203", "warning")]),
+        ({"cuda_matmul_allow_tf32": True, "float32_matmul_precision": "high"}, [], [("TR204", "info")]),
+        ({"cudnn_allow_tf32": True}, [], []),
+        ({"cudnn_allow_tf32": True}, CONV, [("TR204", "info")]),
+        ({"deterministic_algorithms": False, "cudnn_deterministic": False}, CONV, [("TR205", "warning")]),
+        ({"deterministic_algorithms": False, "cudnn_deterministic": True}, CONV, []),
+        ({"deterministic_algorithms": False}, MM, []),
+        ({"deterministic_algorithms": True, "warn_only": True}, [], [("TR206", "warning")]),
+        ({"set_num_threads_called": False, "thread_env": {}, "num_threads": 8}, [], [("TR207", "warning")]),
+        ({"set_num_threads_called": False, "thread_env": {"OMP_NUM_THREADS": "4"}}, [], []),
+        ({"torch_seeded": False}, [], [("TR208", "warning")]),
+        ({"torch_seeded": True}, [], []),
+        ({"dataloaders": [{"num_workers": 2, "random_hint": "RandomCrop"}]}, [], [("TR301", "warning")]),
+        ({"dataloaders": [{"num_workers": 2, "random_hint": "x", "seeded_loader": True}]}, [], []),
+        ({"dataloaders": [{"num_workers": 2}]}, [], [("TR302", "info")]),
+        ({"dataloaders": [{"num_workers": 0, "shuffle": True, "generator": False}]}, [], [("TR303", "info")]),
+        ({"dataloaders": [{"num_workers": 0, "shuffle": True, "generator": True}]}, [], []),
+        (
+            {"compile_calls": [{"backend": "inductor"}], "deterministic_algorithms": False},
+            [],
+            [("TR401", "warning")],
+        ),
+        ({"compile_calls": [{"backend": "inductor"}], "inductor_deterministic": True}, [], []),
+        ({"compile_calls": [{"backend": "eager"}]}, [], []),
+        ({"optimizer_steps": 0}, [], [("TR003", "info")]),
+        ({}, CONV + MM, []),
+    ],
+)
+def test_settings_findings(
+    settings: dict[str, Any], events: list[dict[str, Any]], expected: list[tuple[str, str]]
+) -> None:
+    # every other setting as in _settings(): reproducible, nothing to report
+    found = audit_settings(_settings(**settings), events=events)
+    assert [(f.code, f.severity) for f in found] == expected
+
+
+def test_warn_only_finding_names_the_ops_that_stay_nondeterministic() -> None:
+    events = [{"op": "aten.upsample_bilinear2d_backward.default", "backward": True}]
+    (finding,) = audit_settings(_settings(warn_only=True), events=events)
+    assert "aten.upsample_bilinear2d_backward" in finding.message
+
+
+_SEEDED = {"random": True, "numpy": True, "torch": True}
+_UNSEEDED = {"random": False, "numpy": False, "torch": False}
+
+
+def _loader(**kw: Any) -> dict[str, Any]:
+    return {"dataset": "Aug", "location": "train.py:9", "num_workers": 0, **kw}
+
+
+def _draws(*rngs: str) -> dict[str, Any]:
+    return {"ran": True, "draws": list(rngs), "unstable": False}
+
+
+@pytest.mark.parametrize(
+    ("loader", "seeded", "expected"),
+    [
+        # main-process loading: every global RNG the dataset draws from must be seeded by the script
+        (_loader(probe=_draws("random")), {**_SEEDED, "random": False}, ["TR304"]),
+        (_loader(probe=_draws("numpy")), {**_SEEDED, "random": False}, []),
+        (_loader(probe=_draws("numpy")), _SEEDED, []),
+        # in workers torch reseeds all three from the base seed: only torch's seeding (or generator=) counts
+        (_loader(num_workers=2, probe=_draws("numpy")), {**_UNSEEDED, "torch": True}, ["TR301"]),
+        (_loader(num_workers=2, probe=_draws("numpy")), _UNSEEDED, ["TR301", "TR304"]),
+        (_loader(num_workers=2, probe=_draws("numpy"), generator=True), _UNSEEDED, ["TR301"]),
+        # measured to draw nothing: no "might draw" info either
+        (_loader(num_workers=2, probe=_draws(), random_hint="RandomCrop"), _UNSEEDED, []),
+        # the probe could not run: the heuristic decides
+        (_loader(num_workers=2, probe={"ran": False}, random_hint="RandomCrop"), _UNSEEDED, ["TR301"]),
+        (_loader(probe={"ran": True, "draws": [], "unstable": True}), _SEEDED, ["TR306"]),
+    ],
+)
+def test_dataset_findings(loader: dict[str, Any], seeded: dict[str, bool], expected: list[str]) -> None:
+    findings = audit_settings(_settings(dataloaders=[loader], seeded=seeded))
+    assert sorted(f.code for f in findings) == expected
+    assert all(f.location == "train.py:9" for f in findings)
+
+
+def test_dataset_finding_names_the_rng_and_the_framework_setting() -> None:
+    loader = _loader(probe=_draws("random", "numpy"), framework="lightning")
+    (finding,) = audit_settings(_settings(dataloaders=[loader], seeded={**_SEEDED, "numpy": False}))
+    assert "Aug.__getitem__" in finding.message and "NumPy's global RNG" in finding.message
+    assert "Python's global random" not in finding.message  # seeded: not named
+    assert "np.random.seed(0)" in finding.fix and "seed_everything(0, workers=True)" in finding.fix
+    (hf,) = audit_settings(_settings(dataloaders=[{**loader, "framework": "transformers"}], seeded=_UNSEEDED))
+    assert "TrainingArguments(seed=" in hf.fix
+
+
+@pytest.mark.parametrize(
+    ("loader", "fix"),
+    [
+        ({"shuffle": True, "generator": False}, "Pass generator="),
+        (
+            {"shuffle": True, "generator": True, "sampler_generator": False, "sampler_given": "sampler"},
+            "Give the generator to the sampler: RandomSampler(dataset, generator=",
+        ),
+        (
+            {"shuffle": True, "sampler_generator": False, "sampler_given": "batch_sampler"},
+            "Give the generator to the sampler",
+        ),
+        ({"shuffle": True, "generator": False, "sampler_generator": True, "sampler_given": "sampler"}, None),
+    ],
+)
+def test_shuffle_fix_names_the_generator_that_draws_the_order(
+    loader: dict[str, Any], fix: str | None
+) -> None:
+    findings = audit_settings(
+        _settings(dataloaders=[{"num_workers": 0, "sampler": "RandomSampler", **loader}])
+    )
+    assert [f.fix.startswith(fix) for f in findings] == ([] if fix is None else [True])
+    if loader.get("generator") and loader.get("sampler_given"):
+        assert "does not reach it" in findings[0].message
+
+
+def test_seed_drawn_from_an_unseeded_source() -> None:
+    call = {"call": "torch.manual_seed", "rng": "torch", "location": "train.py:3", "source": "random.randint"}
+    (finding,) = audit_settings(_settings(tainted_seeds=[call]))
+    assert (finding.code, finding.severity, finding.location) == ("TR305", "warning", "train.py:3")
+    assert "random.randint" in finding.message and "torch's global RNG" in finding.message
