@@ -5,10 +5,11 @@ Invariants:
 - Nothing here runs a script or changes global state: ``audit_ops`` and ``audit_settings`` are
   pure functions of their input (the recorded ops and the probe's settings dict), testable
   without running anything. ``audit.runner`` runs the script; ``_child.hooks`` probes it.
-- Op findings come from the op table ``_audit_ops.json``: data, keyed by torch release, whose
-  entries name the items of ``torch.use_deterministic_algorithms.__doc__`` they cover and the aten
-  ops that implement them. A test keeps it equal to the installed torch's documentation, and an
-  audit says so (TR002) when the installed torch documents items the table lacks.
+- Op findings come from the op table (``audit.optable``): which ops raise or become deterministic
+  is read from the installed torch's ``torch.use_deterministic_algorithms.__doc__``, the aten ops
+  and fix hints from ``ops_table.json``; each op finding names the documentation its list comes
+  from. An audit says so when that documentation could not be read (TR001) or lists items the
+  table has no ops for (TR002).
 - Conditions of the table (``bincount`` with weights, ``cumsum`` on floats...) are decided from
   the arguments of the Python-level call at the op's line, which the child's probe records; one
   it cannot decide never yields an error: the finding is a warning that says what is unknown.
@@ -25,15 +26,12 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from torchrepro.audit.optable import _Entry, _load_table, _OpSpec
 from torchrepro.errors import TraceError
 from torchrepro.flags import CUBLAS_CONFIGS
 
@@ -41,7 +39,6 @@ __all__ = ["SEVERITIES", "AuditReport", "Finding", "audit_ops", "audit_settings"
 
 SEVERITIES = ("error", "warning", "info")
 _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
-_TABLE_FILE = Path(__file__).with_name("ops_table.json")
 _STRICT = "torchrepro run, or torch.use_deterministic_algorithms(True)"
 
 
@@ -111,111 +108,6 @@ class AuditReport:
             "table_release": self.table_release,
             "settings": dict(self.settings),
         }
-
-
-# --------------------------------------------------------------------------------------------
-# The op table
-
-
-@dataclasses.dataclass(frozen=True)
-class _OpSpec:
-    name: str  # "aten.cumsum"
-    overload: str | None  # "dim" or None for any overload
-    phase: str  # forward | backward | any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    code: str
-    title: str
-    section: str  # raises | deterministic | extra
-    doc: tuple[str, ...]
-    ops: tuple[_OpSpec, ...]
-    condition: Mapping[str, Any] | None
-    fix: str
-    why: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _OpTable:
-    release: str
-    exact: bool
-    entries: tuple[_Entry, ...]
-    cublas_ops: frozenset[str]
-
-
-def _release_of(version: str) -> tuple[int, int]:
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if not m:
-        raise ValueError(f"cannot read a torch release from version {version!r}")
-    return int(m.group(1)), int(m.group(2))
-
-
-@functools.lru_cache(maxsize=4)
-def _load_table(torch_version: str | None = None) -> _OpTable:
-    """The op table for ``torch_version`` (default: installed): that release's, else the newest older one."""
-    version = torch_version or torch.__version__
-    data = json.loads(_TABLE_FILE.read_text(encoding="utf-8"))
-    releases = sorted(data["releases"], key=_release_of)
-    want = _release_of(version)
-    older = [r for r in releases if _release_of(r) <= want]
-    release = older[-1] if older else releases[0]
-    raw = data["releases"][release]
-    entries = []
-    for e in raw["entries"]:
-        ops = []
-        for o in e["ops"]:
-            parts = o["op"].split(".")
-            ops.append(_OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"]))
-        entries.append(
-            _Entry(
-                code=e["code"],
-                title=e["title"],
-                section=e["section"],
-                doc=tuple(e["doc"]),
-                ops=tuple(ops),
-                condition=e.get("condition"),
-                fix=e["fix"],
-                why=e.get("why"),
-            )
-        )
-    return _OpTable(release, _release_of(release) == want, tuple(entries), frozenset(raw["cublas_ops"]))
-
-
-_DOC_HEAD = re.compile(
-    r"The following normally-nondeterministic operations will\s+"
-    r"(act\s+deterministically|throw\s+a\s+:class:`RuntimeError`)\s+when\s+``mode=True``:[ \t]*\n"
-)
-
-
-def _documented_items(doc: str | None = None) -> dict[str, str]:
-    """Items of ``torch.use_deterministic_algorithms.__doc__``: text -> ``raises`` or ``deterministic``.
-
-    An item is a ``*`` bullet with its indented continuation lines (sub-bullets included), its
-    whitespace collapsed to single spaces.
-    """
-    text = (torch.use_deterministic_algorithms.__doc__ or "") if doc is None else doc
-    items: dict[str, str] = {}
-    for m in _DOC_HEAD.finditer(text):
-        section = "deterministic" if m.group(1).startswith("act") else "raises"
-        current: list[str] | None = None
-        indent = 0
-        found: list[list[str]] = []
-        for line in text[m.end() :].splitlines():
-            stripped = line.strip()
-            width = len(line) - len(line.lstrip())
-            if stripped.startswith("* "):
-                current, indent = [stripped[2:]], width
-                found.append(current)
-            elif not stripped:
-                continue
-            elif current is not None and width > indent:
-                current.append(stripped)
-            else:
-                break
-        for parts in found:
-            items[" ".join(" ".join(parts).split())] = section
-    return items
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,11 +287,17 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
         where = " (recorded in backward; the location is its forward call)"
     elif phases == {True, False}:
         where = " (in forward and in backward; the location is the forward call)"
+    source = f" ({entry.listed_in})" if entry.listed_in else ""
     if entry.section == "raises":
+        device = {
+            False: "on CUDA",
+            True: "on any device, the CPU included",
+            None: "on CUDA, nor on the CPU in some of the documented cases",
+        }[entry.cpu]
         msg = (
-            f"{entry.title}{where}: no deterministic CUDA implementation. On CUDA, strict mode "
-            "(torch.use_deterministic_algorithms(True)) raises RuntimeError here; without it the "
-            "result can differ from run to run."
+            f"{entry.title}{where}: no deterministic implementation {device}{source}. There, strict mode "
+            "(torch.use_deterministic_algorithms(True)) raises RuntimeError; without it the result can "
+            "differ from run to run."
         )
         if uncertain:
             cond = entry.condition or {}
@@ -412,7 +310,7 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
         "nondeterministic on CUDA (and on the CPU where the documentation says so) unless deterministic "
         "algorithms are on; strict mode makes it deterministic, at some speed cost"
     )
-    msg = f"{entry.title}: {why}. Ran as {', '.join(ops)}"
+    msg = f"{entry.title}: {why}{source}. Ran as {', '.join(ops)}"
     msg += "." if sites <= 1 else f" at {sites} places; the first is shown."
     if uncertain:
         msg += f" Only if {_condition_text(entry.condition or {})}, which the op recording cannot tell."
@@ -490,10 +388,10 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
 
 
 def _table_findings() -> list[Finding]:
-    """TR001/TR002: the table is for another torch release, or this torch documents items it lacks."""
+    """TR001/TR002: this torch's documentation could not be read, or documents items the table lacks."""
     table = _load_table()
     out = []
-    if not table.exact:
+    if not table.read:
         out.append(
             Finding(
                 "TR001",
@@ -501,14 +399,14 @@ def _table_findings() -> list[Finding]:
                 None,
                 None,
                 None,
-                f"The op table was made for torch {table.release}; this is torch {torch.__version__}, "
-                "so ops added or fixed since may be missed or reported wrongly.",
-                "Upgrade torchrepro, or add a release to torchrepro/audit/ops_table.json "
-                "(tests/test_audit.py checks it against the installed torch's documentation).",
+                f"torch {torch.__version__}'s use_deterministic_algorithms documentation could not be read, "
+                f"so the op lists are {table.listed_in}"
+                + ("." if table.exact else ": ops added or fixed since may be missed or reported wrongly."),
+                "Upgrade torchrepro (torchrepro/audit/optable.py reads the documentation; "
+                "tests/test_audit.py checks it against the installed torch).",
             )
         )
-    known = {d for e in table.entries for d in e.doc}
-    new = sorted(set(_documented_items()) - known)
+    new = list(table.uncovered)
     if new:
         out.append(
             Finding(
