@@ -28,15 +28,14 @@ import math
 import random
 import struct
 import sys
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableSet, Sequence
 from typing import Any, Final
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
-from torchrepro._compat import numpy_or_none, require_numpy
+from torchrepro._compat import generator_set, numpy_or_none, require_numpy
 from torchrepro._rawrng import _numpy_mt, _python_mt
 from torchrepro._runtime import process_group
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
@@ -697,7 +696,7 @@ _OWNED_KWARGS = {
 
 # The worker-seed generators SeededLoaders create: handed back by a framework that rebuilds a
 # SeededLoader from its attributes, they are dropped instead of refused.
-_OWN_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+_OWN_GENERATORS: MutableSet[torch.Generator] = generator_set()
 
 
 def _drop_own_parts(kwargs: dict[str, Any]) -> None:
