@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -n 2 --dist loadfile
 
-.PHONY: install demo test quick coverage lint typecheck unit bench clean
+.PHONY: install demo test quick coverage test-floor lint typecheck unit bench clean
 
 install: $(STAMP)
 
@@ -42,8 +42,32 @@ coverage: $(STAMP)
 	rm -f .coverage .coverage.*
 	$(VENV)/bin/pytest $(PYTEST_ARGS) --cov=torchrepro --cov-branch --cov-report=term:skip-covered
 
+# `make test-floor` (not part of `make test`): the unit tier on the oldest torch the package claims
+# (pyproject's torch>=) and on the newest one pip may take here, each in a venv of its own built
+# from nothing (.venv-torch<version>). The unit tier is every test that runs in-process: tests/
+# without tests/e2e, tests/cli and tests/integrations (those start scripts in subprocesses or need
+# the frameworks), plus the doctests of src/torchrepro. Test tools, numpy and xxhash at the pins of
+# constraints-dev.txt (torch 2.4 is built against NumPy 2 and runs with it).
+FLOOR_TORCHES ?= 2.4.0 2.14.1
+FLOOR_PYTEST_ARGS ?= -n 2 --dist loadfile
+UNIT_TIER := tests src/torchrepro --ignore=tests/e2e --ignore=tests/cli --ignore=tests/integrations
+FLOOR_PINS = $$(grep -E '^(numpy|xxhash|pytest|pytest-xdist|pytest-timeout|hypothesis)==' constraints-dev.txt)
+
+.venv-torch%/.installed-stamp: pyproject.toml constraints-dev.txt
+	rm -rf .venv-torch$*
+	$(PYTHON) -m venv .venv-torch$*
+	.venv-torch$*/bin/python -m pip install torch==$* $(FLOOR_PINS)
+	.venv-torch$*/bin/python -m pip install -e .
+	touch $@
+
+test-floor: $(foreach v,$(FLOOR_TORCHES),.venv-torch$(v)/.installed-stamp)
+	status=0; for v in $(FLOOR_TORCHES); do \
+		echo "== unit tier on torch $$(.venv-torch$$v/bin/python -c 'import torch; print(torch.__version__)')"; \
+		.venv-torch$$v/bin/pytest $(FLOOR_PYTEST_ARGS) $(UNIT_TIER) || status=1; \
+	done; exit $$status
+
 bench: $(STAMP)
 	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-torch* .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,11 +1,15 @@
 """Optional dependencies and version differences, in one place.
 
 Invariant: NumPy is imported only if it is installed; nothing here imports anything else optional.
+torch is imported only inside the functions that need it (the CLI's parent path imports this module
+without torch).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import weakref
+from collections.abc import MutableSet
 from types import ModuleType
 from typing import Any
 
@@ -57,3 +61,18 @@ def lazy_import(name: str) -> Any:
     not import it). Modules on the command line's parent path use this for torch: the parent
     process parses arguments and starts the child without paying for ``import torch``."""
     return _LazyModule(name)
+
+
+def generator_set() -> MutableSet[Any]:
+    """An empty set of ``torch.Generator`` objects that does not keep them alive, where torch allows.
+
+    Where torch's generators take no weak references (torch 2.4), the set holds them: each stays
+    alive as long as the set (one small object per SeededLoader).
+    """
+    import torch
+
+    try:
+        weakref.ref(torch.Generator())
+    except TypeError:
+        return set()
+    return weakref.WeakSet()

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from torchrepro.audit.findings import Finding, sort_key
-from torchrepro.audit.optable import _documented_items, _Entry, _load_table, _OpSpec
+from torchrepro.audit.optable import _Entry, _load_table, _OpSpec
 from torchrepro.errors import TraceError
 
 __all__ = ["as_event", "audit_ops", "table_findings"]
@@ -194,11 +194,17 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
         where = " (recorded in backward; the location is its forward call)"
     elif phases == {True, False}:
         where = " (in forward and in backward; the location is the forward call)"
+    source = f" ({entry.listed_in})" if entry.listed_in else ""
     if entry.section == "raises":
+        device = {
+            False: "on CUDA",
+            True: "on any device, the CPU included",
+            None: "on CUDA, nor on the CPU in some of the documented cases",
+        }[entry.cpu]
         msg = (
-            f"{entry.title}{where}: no deterministic CUDA implementation. On CUDA, strict mode "
-            "(torch.use_deterministic_algorithms(True)) raises RuntimeError here; without it the "
-            "result can differ from run to run."
+            f"{entry.title}{where}: no deterministic implementation {device}{source}. There, strict mode "
+            "(torch.use_deterministic_algorithms(True)) raises RuntimeError; without it the result can "
+            "differ from run to run."
         )
         if uncertain:
             cond = entry.condition or {}
@@ -211,7 +217,7 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
         "nondeterministic on CUDA (and on the CPU where the documentation says so) unless deterministic "
         "algorithms are on; strict mode makes it deterministic, at some speed cost"
     )
-    msg = f"{entry.title}: {why}. Ran as {', '.join(ops)}"
+    msg = f"{entry.title}: {why}{source}. Ran as {', '.join(ops)}"
     msg += "." if sites <= 1 else f" at {sites} places; the first is shown."
     if uncertain:
         msg += f" Only if {_condition_text(entry.condition or {})}, which the op recording cannot tell."
@@ -289,10 +295,10 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
 
 
 def table_findings() -> list[Finding]:
-    """TR001/TR002: the table is for another torch release, or this torch documents items it lacks."""
+    """TR001/TR002: this torch's documentation could not be read, or documents items the table lacks."""
     table = _load_table()
     out = []
-    if not table.exact:
+    if not table.read:
         out.append(
             Finding(
                 "TR001",
@@ -300,14 +306,14 @@ def table_findings() -> list[Finding]:
                 None,
                 None,
                 None,
-                f"The op table was made for torch {table.release}; this is torch {torch.__version__}, "
-                "so ops added or fixed since may be missed or reported wrongly.",
-                "Upgrade torchrepro, or add a release to torchrepro/audit/ops_table.json "
-                "(tests/test_audit.py checks it against the installed torch's documentation).",
+                f"torch {torch.__version__}'s use_deterministic_algorithms documentation could not be read, "
+                f"so the op lists are {table.listed_in}"
+                + ("." if table.exact else ": ops added or fixed since may be missed or reported wrongly."),
+                "Upgrade torchrepro (torchrepro/audit/optable.py reads the documentation; "
+                "tests/audit/test_audit_optable.py checks it against the installed torch).",
             )
         )
-    known = {d for e in table.entries for d in e.doc}
-    new = sorted(set(_documented_items()) - known)
+    new = list(table.uncovered)
     if new:
         out.append(
             Finding(

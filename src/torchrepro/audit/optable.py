@@ -1,13 +1,18 @@
-"""The op table: which aten ops ``torch.use_deterministic_algorithms`` documents, by torch release.
+"""The audit's op table: which ops break determinism under this torch, with curated hints.
 
 Invariants:
-- The table is data (``ops_table.json``), keyed by torch release: each entry names the items of
-  ``torch.use_deterministic_algorithms.__doc__`` it covers (``doc``), the aten ops that implement
-  them, an optional condition on their arguments, and the fix. ``_load_table`` takes the
-  installed release's table, else the newest older one (``exact`` False: TR001).
-- ``_documented_items`` reads the installed torch's documentation; a test keeps the table equal
-  to it, and an audit reports items the table lacks (TR002).
-- Reading only: nothing here judges ops (``audit.op_rules``) or changes global state.
+
+- Which ops raise under ``torch.use_deterministic_algorithms(True)`` and which it makes
+  deterministic comes from the installed torch's own documentation (the items of
+  ``torch.use_deterministic_algorithms.__doc__``), never from a list made for another release.
+- ``ops_table.json`` holds what the documentation does not say, keyed by op, not by release: the
+  aten ops behind each documented item, conditions on the call, and a fix hint for each section
+  (``raises``, ``deterministic``) an op is in, in any release.
+- When the installed torch's documentation cannot be read, the lists are torchrepro's copy of the
+  newest release at or below it (``documentation`` in the table), and the table says so
+  (``_OpTable.read`` is false, ``_OpTable.listed_in`` names the copy).
+- Every entry the table returns carries where its list comes from (``_Entry.listed_in``), for the
+  findings to cite. Nothing here changes global state.
 """
 
 from __future__ import annotations
@@ -23,6 +28,14 @@ from typing import Any
 import torch
 
 _TABLE_FILE = Path(__file__).with_name("ops_table.json")
+_SECTIONS = ("raises", "deterministic")
+# A hint for a section the table has none for (the tests fail on it, naming the item).
+_GENERIC_FIX = {
+    "raises": "This torch documents no deterministic implementation of this op: run it on the CPU, or "
+    "replace it (and add a hint to torchrepro/audit/ops_table.json).",
+    "deterministic": "Run under strict mode (torchrepro run, or torch.use_deterministic_algorithms(True)); "
+    "PyTorch then uses a deterministic implementation, at some speed cost.",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +50,24 @@ class _Entry:
     code: str
     title: str
     section: str  # raises | deterministic | extra
-    doc: tuple[str, ...]
-    ops: tuple[_OpSpec, ...]
+    doc: tuple[str, ...]  # the documented items behind it, in this release
+    ops: tuple[_OpSpec, ...]  # those of its ops that are in this section, in this release
     condition: Mapping[str, Any] | None
     fix: str
     why: str | None
+    listed_in: str | None = None  # "torch 2.14 documentation"; None for extra entries
+    cpu: bool | None = None  # raises on the CPU too: True every item, None some, False CUDA only
 
 
 @dataclasses.dataclass(frozen=True)
 class _OpTable:
-    release: str
-    exact: bool
+    release: str  # the release whose documentation the lists come from ("2.14")
+    exact: bool  # that release is the one asked for
     entries: tuple[_Entry, ...]
     cublas_ops: frozenset[str]
+    read: bool = True  # the lists were read from torch's documentation, not from torchrepro's copy
+    listed_in: str = ""  # "torch 2.14 documentation" or "torchrepro's copy of the torch 2.13 documentation"
+    uncovered: tuple[str, ...] = ()  # documented items the table has no entry for
 
 
 def _release_of(version: str) -> tuple[int, int]:
@@ -59,35 +77,103 @@ def _release_of(version: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-@functools.lru_cache(maxsize=4)
-def _load_table(torch_version: str | None = None) -> _OpTable:
-    """The op table for ``torch_version`` (default: installed): that release's, else the newest older one."""
-    version = torch_version or torch.__version__
-    data = json.loads(_TABLE_FILE.read_text(encoding="utf-8"))
-    releases = sorted(data["releases"], key=_release_of)
-    want = _release_of(version)
+def _table_data() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(_TABLE_FILE.read_text(encoding="utf-8"))
+    return data
+
+
+def _curated(data: Mapping[str, Any], want: tuple[int, int]) -> tuple[str, dict[str, str]]:
+    """torchrepro's copy of the documentation: the newest release at or below ``want`` (else the oldest)."""
+    releases = sorted(data["documentation"], key=_release_of)
     older = [r for r in releases if _release_of(r) <= want]
     release = older[-1] if older else releases[0]
-    raw = data["releases"][release]
+    lists = data["documentation"][release]
+    return release, {item: section for section in _SECTIONS for item in lists[section]}
+
+
+def _read_documentation(doc: str) -> dict[str, str] | None:
+    """The documented items, or None when ``doc`` does not have both lists (its layout changed)."""
+    items = _documented_items(doc)
+    return items if set(items.values()) == set(_SECTIONS) else None
+
+
+def _on_cpu(items: list[str]) -> bool | None:
+    """Whether the ops of these raising items raise on the CPU too (None: for some items only)."""
+    cuda_only = ["CUDA" in item and "CPU" not in item for item in items]
+    return False if all(cuda_only) else True if not any(cuda_only) else None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_table(torch_version: str | None = None, doc: str | None = None) -> _OpTable:
+    """The op table for ``torch_version`` (default: the installed torch), its lists read from ``doc``.
+
+    ``doc`` defaults to the installed torch's ``use_deterministic_algorithms.__doc__`` when no
+    version is given; for another version without ``doc``, or a ``doc`` that cannot be read, the
+    lists are torchrepro's copy of the newest release at or below the version.
+    """
+    if torch_version is None:
+        torch_version = torch.__version__
+        if doc is None:
+            doc = torch.use_deterministic_algorithms.__doc__ or ""
+    want = _release_of(torch_version)
+    data = _table_data()
+    documented = None if doc is None else _read_documentation(doc)
+    if documented is not None:
+        release, read = f"{want[0]}.{want[1]}", True
+        listed_in = f"torch {release} documentation"
+    else:
+        release, documented = _curated(data, want)
+        read = False
+        listed_in = f"torchrepro's copy of the torch {release} documentation"
     entries = []
-    for e in raw["entries"]:
-        ops = []
+    covered: set[str] = set()
+    for e in data["entries"]:
+        specs = []
         for o in e["ops"]:
             parts = o["op"].split(".")
-            ops.append(_OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"]))
-        entries.append(
-            _Entry(
-                code=e["code"],
-                title=e["title"],
-                section=e["section"],
-                doc=tuple(e["doc"]),
-                ops=tuple(ops),
-                condition=e.get("condition"),
-                fix=e["fix"],
-                why=e.get("why"),
+            spec = _OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"])
+            specs.append((spec, [d for d in o.get("doc", e.get("doc", ())) if d in documented]))
+        condition, why = e.get("condition"), e.get("why")
+        if not e.get("doc"):  # not in the documentation: always counted
+            ops = tuple(spec for spec, _ in specs)
+            entries.append(_Entry(e["code"], e["title"], "extra", (), ops, condition, e["fix"]["extra"], why))
+            continue
+        by_section: dict[str, tuple[list[_OpSpec], dict[str, None]]] = {}
+        for spec, items in specs:
+            if not items:
+                continue
+            section = "raises" if any(documented[d] == "raises" for d in items) else "deterministic"
+            ops_of, items_of = by_section.setdefault(section, ([], {}))
+            ops_of.append(spec)
+            items_of.update(dict.fromkeys(d for d in items if documented[d] == section))
+        covered.update(d for d in e["doc"] if d in documented)
+        for section in _SECTIONS:
+            if section not in by_section:
+                continue
+            ops_of, items_of = by_section[section]
+            entries.append(
+                _Entry(
+                    code=e["code"],
+                    title=e["title"],
+                    section=section,
+                    doc=tuple(items_of),
+                    ops=tuple(ops_of),
+                    condition=condition,
+                    fix=e["fix"].get(section, _GENERIC_FIX[section]),
+                    why=why,
+                    listed_in=listed_in,
+                    cpu=_on_cpu(list(items_of)) if section == "raises" else None,
+                )
             )
-        )
-    return _OpTable(release, _release_of(release) == want, tuple(entries), frozenset(raw["cublas_ops"]))
+    return _OpTable(
+        release=release,
+        exact=_release_of(release) == want,
+        entries=tuple(entries),
+        cublas_ops=frozenset(data["cublas_ops"]),
+        read=read,
+        listed_in=listed_in,
+        uncovered=tuple(sorted(set(documented) - covered)),
+    )
 
 
 _DOC_HEAD = re.compile(

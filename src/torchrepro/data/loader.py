@@ -15,14 +15,14 @@ Invariants:
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableSet
 from typing import Any, Final
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from torchrepro._compat import generator_set
 from torchrepro._runtime import process_group
 from torchrepro.data.sampler import _SeededSampler
 from torchrepro.data.view import _SeededCollate, _SeededDataset
@@ -58,7 +58,7 @@ _OWNED_KWARGS = {
 
 # The worker-seed generators SeededLoaders create: handed back by a framework that rebuilds a
 # SeededLoader from its attributes, they are dropped instead of refused.
-_OWN_GENERATORS: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
+_OWN_GENERATORS: MutableSet[torch.Generator] = generator_set()
 
 
 def _drop_own_parts(kwargs: dict[str, Any]) -> None:
