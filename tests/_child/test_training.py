@@ -150,6 +150,8 @@ def test_a_hand_written_update_is_recorded_per_backward(
     assert steps.steps == 2
 
 
+# torch 2.4's own reentrant checkpoint calls its deprecated torch.cpu.amp.autocast (the floor tier)
+@pytest.mark.filterwarnings(r"ignore:`torch\.cpu\.amp\.autocast\(args\.\.\.\)` is deprecated:FutureWarning")
 def test_reentrant_checkpointing_is_one_step_and_owned_leaves_are_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
