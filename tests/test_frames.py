@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from helpers import marked_line
 from torchrepro._frames import Walker, user_site
 from torchrepro.tracing.sites import _Sites
 
@@ -18,10 +19,8 @@ HERE = Path(__file__)
 
 
 def _line(marker: str) -> str:
-    for number, text in enumerate(HERE.read_text().splitlines(), start=1):
-        if text.rstrip().endswith(f"# {marker}"):
-            return f"{os.path.relpath(HERE, os.getcwd())}:{number}"
-    raise AssertionError(f"no line marked {marker!r}")
+    """``file:line`` of the line ending with ``# marker``, as a recorder shows it (relative to cwd)."""
+    return f"{os.path.relpath(HERE, os.getcwd())}:{marked_line(HERE, marker)}"
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from helpers import user_env
+from helpers import marked_line, user_env
 from torchrepro.cli import main
 from torchrepro.launch import launch
 
@@ -30,10 +30,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "dropout_reseed.py"
 
 
 def _line(marker: str) -> int:
-    for number, text in enumerate(SCRIPT.read_text().splitlines(), start=1):
-        if text.rstrip().endswith(f"# locate: {marker}"):
-            return number
-    raise AssertionError(f"{SCRIPT.name} has no line marked {marker!r}")
+    return marked_line(SCRIPT, f"locate: {marker}")
 
 
 def _compare(capsys: pytest.CaptureFixture[str], a: Path, b: Path, *flags: str) -> tuple[int, str]:

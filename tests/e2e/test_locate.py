@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing  # registers how tensors are pickled between processes
 import torch.utils.data
 
-from helpers import user_env
+from helpers import marked_line, user_env
 
 SCRIPTS = Path(__file__).parent / "locate_scripts"
 CASES: dict[str, tuple[str, ...]] = {
@@ -39,10 +39,7 @@ CASES: dict[str, tuple[str, ...]] = {
 
 
 def _line(script: Path, marker: str) -> int:
-    for number, text in enumerate(script.read_text().splitlines(), start=1):
-        if text.rstrip().endswith(f"# locate: {marker}"):
-            return number
-    raise AssertionError(f"{script.name} has no line marked {marker!r}")
+    return marked_line(script, f"locate: {marker}")
 
 
 def _start_check(

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROOT", "SRC", "check_json", "free_port", "torchrepro", "user_env"]
+__all__ = ["ROOT", "SRC", "check_json", "free_port", "marked_line", "torchrepro", "user_env"]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout's root."""
@@ -63,3 +63,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def marked_line(path: Path, marker: str) -> int:
+    """The number of the line of ``path`` that ends with the comment ``# <marker>``."""
+    for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if text.rstrip().endswith(f"# {marker}"):
+            return number
+    raise AssertionError(f"{path.name} has no line marked {marker!r}")

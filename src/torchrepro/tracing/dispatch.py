@@ -65,8 +65,9 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        if "torch._dynamo" in sys.modules:
-            _hide_from_dynamo()
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is not None and hasattr(dynamo, "disable"):  # imported, not half-way (torch 2.6
+            _hide_from_dynamo()  # runs tensor ops while importing dynamo, under this mode)
         return _handle(self, func, types, args, kwargs)
 
 
