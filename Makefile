@@ -47,7 +47,7 @@ coverage: $(STAMP)
 # from nothing (.venv-torch<version>). The unit tier is every test that runs in-process: tests/
 # without tests/e2e, tests/cli and tests/integrations (those start scripts in subprocesses or need
 # the frameworks), plus the doctests of src/torchrepro. Test tools, numpy and xxhash at the pins of
-# constraints-dev.txt (torch 2.4 is built against NumPy 2 and runs with it).
+# constraints-dev.txt (torch 2.5 is built against NumPy 2 and runs with it).
 FLOOR_TORCHES ?= 2.5.1 2.14.1
 FLOOR_PYTEST_ARGS ?= -n 2 --dist loadfile
 UNIT_TIER := tests src/torchrepro --ignore=tests/e2e --ignore=tests/cli --ignore=tests/integrations
