@@ -9,6 +9,12 @@ Invariants:
   on Ctrl-C and on SIGTERM (process trees, torchrun ranks included).
 - Each check writes only below its own fresh directory (``.torchrepro/checks/<id>/``): ``run<i>/``
   run records, ``locate<j>/`` trace re-runs, ``verdict.json``.
+- The runs never write into the user's files: each run sees the working directory as the check
+  found it plus its own writes, which end up in its record (``isolation``; off with
+  ``isolate=False`` or where the kernel refuses, and then the verdict says so). Paths outside
+  it that runs running at the same time both wrote are named (``shared_writes``); a run that
+  failed after that is reported with them and the ways out, not as a plain script failure.
+- ``serial`` runs one run at a time (each later run compared live against the complete first).
 - The ranks compared are ``--nproc``'s and every rank a run's record shows (events files, the
   world sizes ranks noted when they joined a process group), so ranks the script starts itself
   are compared too; a rank that should exist but wrote no record, or a python child the script
@@ -29,6 +35,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchrepro import runrecord
+from torchrepro._child.overlay import Overlay
 from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.compare import (
     Coverage,
@@ -40,6 +47,7 @@ from torchrepro.compare import (
 )
 from torchrepro.errors import ReproError, SettingsError
 from torchrepro.events import in_order, is_step, optimizer_index
+from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
 from torchrepro.launch import (
     build_command,
     check_target,
@@ -74,7 +82,8 @@ class CheckResult:
     ``reproducible`` is None when a run failed (``error`` says how, ``stderr_tail`` shows the
     end of its output) or when the check is inconclusive (no divergence, but nothing beyond
     ``init`` compared on some rank: ``coverage`` says what was); ``notes`` say what locating did
-    or could not do, and why a check is inconclusive.
+    or could not do, and why a check is inconclusive. ``isolation`` says how the runs' writes
+    were kept apart; ``shared_writes`` are the paths runs running together both wrote anyway.
     """
 
     reproducible: bool | None
@@ -87,6 +96,8 @@ class CheckResult:
     stderr_tail: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     coverage: Coverage | None = None
+    isolation: Isolation | None = None
+    shared_writes: tuple[str, ...] = ()
 
     @property
     def inconclusive(self) -> bool:
@@ -104,6 +115,9 @@ class CheckResult:
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "notes": list(self.notes),
         }
+        if self.isolation is not None:
+            d["isolation"] = self.isolation.to_dict()
+            d["shared_writes"] = list(self.shared_writes)
         if self.error is not None:
             d["error"] = self.error
         return d
@@ -116,6 +130,8 @@ class _Run:
     command: list[str]
     env: dict[str, str]
     ranks: int
+    overlay: Overlay | None = None
+    layers: Layers | None = None
     proc: subprocess.Popen[bytes] | None = None
     tails: list[EventTail] = field(default_factory=list)
     stdout: IO[bytes] | None = None
@@ -133,6 +149,7 @@ class _Run:
             stdin=subprocess.DEVNULL,
             stdout=self.stdout,
             stderr=self.stderr,
+            overlay=self.overlay,
         )
 
     def __post_init__(self) -> None:
@@ -167,6 +184,9 @@ class _Run:
         for f in (self.stdout, self.stderr):
             if f is not None:
                 f.close()
+        if self.layers is not None:  # every process of the run has ended: its overlay is gone
+            self.layers.collect(self.record_dir)
+            self.layers = None
 
     def steps_done(self) -> int:
         if not self.tails:
@@ -239,15 +259,32 @@ def _varied_setting(specs: tuple[ChildSpec, ChildSpec]) -> str | None:
     return f"between {threads(a.threads)} (first run) and {threads(b.threads)} (other run)"
 
 
-def _make_run(index: int, record_dir: Path, command: list[str], spec: ChildSpec, *, ranks: int) -> _Run:
+def _make_run(
+    index: int,
+    record_dir: Path,
+    command: list[str],
+    spec: ChildSpec,
+    *,
+    ranks: int,
+    layers: Layers | None = None,
+) -> _Run:
     spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
+    overlay = None if layers is None else layers.overlay(record_dir)
     env = spec.to_env()
     # The runs of a check share the cores. OpenMP threads that wait by spinning (the default)
     # then burn the cores the other run needs: a check of a short CPU script took 2-2.5x one
     # run instead of ~1.2x. Passive waiting changes neither the thread count nor how work is
     # split, so no result changes; a policy the user set is kept.
     env.setdefault(_OMP_WAIT, "PASSIVE")
-    return _Run(index=index, record_dir=record_dir, command=command, env=env, ranks=ranks)
+    return _Run(
+        index=index,
+        record_dir=record_dir,
+        command=command,
+        env=env,
+        ranks=ranks,
+        overlay=overlay,
+        layers=layers,
+    )
 
 
 def _discover_ranks(runs: list[_Run], cursors: dict[tuple[int, int], RankCursor]) -> None:
@@ -303,7 +340,7 @@ def _watch(
 ) -> tuple[list[tuple[int, Divergence]], list[RankCursor], _Run | None]:
     """Start the runs, compare live; return (divergences, cursors, failed run or None).
 
-    ``serial``: the first run alone, then the others together (compared live against it).
+    ``serial``: one run at a time, each later one compared live against the first.
     """
     for run in runs[:1] if serial else runs:
         run.start()
@@ -318,9 +355,9 @@ def _watch(
     while True:
         _discover_ranks(runs, cursors)
         done = [run.poll() for run in runs]
-        if serial and done[0] and runs[0].returncode == 0 and runs[-1].proc is None:
-            for run in runs[1:]:
-                run.start()
+        started = [r for r in runs if r.proc is not None]
+        if serial and len(started) < len(runs) and all(r.returncode == 0 for r in started):
+            runs[len(started)].start()  # the runs so far ended well: the next one, alone
             continue
         for run, is_done in zip(runs, done, strict=True):
             if is_done and run.returncode != 0 and failed is None:
@@ -372,13 +409,16 @@ def check_script(
     root: str | os.PathLike[str] = ".torchrepro/checks",
     locate: bool = True,
     serial: bool = False,
+    isolate: bool = True,
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
 
-    ``serial=True`` runs the first run alone, then the later ones (compared live against it):
-    slower, but only half the processes at a time (a GPU that fits one run, not two).
+    ``serial=True`` runs one run at a time (each later one compared live against the first):
+    slower, but one run's processes at a time (a GPU that fits one run, not two).
+    ``isolate=True`` gives each run a copy-on-write view of the working directory (its writes
+    end up in its record, never in the user's files) where the kernel allows it.
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -396,11 +436,72 @@ def check_script(
         max_steps=steps,
     )
     check_target(script, module, args, command="check")
-    command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
+    command = build_command(script, args, module=module, nproc=nproc, watch_writes=True)  # validates nproc
     check_dir = runrecord.new_run_dir(root)
+    isolation, layers = _isolation(check_dir, enabled=isolate)
+    try:
+        return _check(
+            check_dir,
+            command,
+            base,
+            isolation=isolation,
+            layers=layers,
+            script=script,
+            module=module,
+            runs=runs,
+            nproc=nproc,
+            seed=seed,
+            vary=vary,
+            locate=locate,
+            serial=serial,
+            progress=progress,
+            poll_interval=poll_interval,
+        )
+    finally:
+        if layers is not None:
+            layers.close()
+
+
+def _isolation(check_dir: Path, *, enabled: bool) -> tuple[Isolation, Layers | None]:
+    """How this check's runs are kept apart, and where their upper layers live."""
+    root = os.path.realpath(os.getcwd())
+    if not enabled:
+        return Isolation(mode="none", root=root, reason="--no-isolate"), None
+    layers = Layers.create(check_dir, root)
+    if layers is None:
+        reason = "no writable directory outside it for the runs' writes"
+        return Isolation(mode="none", root=root, reason=reason), None
+    user_namespace, refused = probe(layers)
+    if refused is not None:
+        layers.close()
+        return Isolation(mode="none", root=root, reason=f"the kernel refused an overlay ({refused})"), None
+    return Isolation(mode="overlay", root=root, user_namespace=user_namespace), layers
+
+
+def _check(
+    check_dir: Path,
+    command: list[str],
+    base: ChildSpec,
+    *,
+    isolation: Isolation,
+    layers: Layers | None,
+    script: str | None,
+    module: str | None,
+    runs: int,
+    nproc: int | None,
+    seed: int,
+    vary: str | None,
+    locate: bool,
+    serial: bool,
+    progress: Callable[[CheckProgress], None] | None,
+    poll_interval: float,
+) -> CheckResult:
     ranks = nproc or 1
     specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
-    all_runs = [_make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks) for i in range(runs)]
+    all_runs = [
+        _make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks, layers=layers)
+        for i in range(runs)
+    ]
     for run in all_runs:
         runrecord.write_run_files(
             run.record_dir,
@@ -408,6 +509,8 @@ def check_script(
             run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
     notes = [n for n in [nproc_note(nproc)] if n]
+    if isolation.mode == "none" and isolation.reason != "--no-isolate":
+        notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
         with terminate_on_signals():
             divergences, cursors, failed = _watch(
@@ -419,18 +522,27 @@ def check_script(
     ranks = max(run.ranks for run in all_runs)  # with the ranks the script started itself
     rank_notes = _rank_notes(all_runs, nproc)
     notes.extend(rank_notes)
+    together = [] if serial else [range(runs)]
+    shared = shared_writes(
+        [run.record_dir for run in all_runs], together, isolation=isolation, check_dir=check_dir
+    )
     if failed is not None:
+        error = f"run {failed.index + 1} of {runs} failed with exit code {failed.returncode}"
+        if shared:
+            error += f" after {describe_shared(shared, isolation=isolation)}"
         result = CheckResult(
             reproducible=None,
             runs=runs,
             steps_compared=steps_compared(cursors),
             first_divergence=None,
             check_dir=os.fspath(check_dir),
-            error=f"run {failed.index + 1} of {runs} failed with exit code {failed.returncode}",
+            error=error,
             returncode=failed.returncode,
             stderr_tail=failed.stderr_tail(),
             notes=tuple(notes),
             coverage=coverage(cursors, range(ranks)),
+            isolation=isolation,
+            shared_writes=tuple(shared),
         )
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
@@ -445,6 +557,7 @@ def check_script(
                 command,
                 (specs[0], specs[other]),
                 ranks=ranks,
+                layers=layers,
                 progress=progress,
                 poll_interval=poll_interval,
                 serial=serial,
@@ -467,6 +580,8 @@ def check_script(
                 "inconclusive: --vary workers varied nothing (the script created no DataLoader), so "
                 "the runs were not loaded differently; the verdict would only repeat a plain check"
             )
+    if shared:
+        notes.append(describe_shared(shared, isolation=isolation))
     result = CheckResult(
         reproducible=reproducible,
         runs=runs,
@@ -475,6 +590,8 @@ def check_script(
         check_dir=os.fspath(check_dir),
         notes=tuple(notes),
         coverage=covered,
+        isolation=isolation,
+        shared_writes=tuple(shared),
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
@@ -487,6 +604,7 @@ def _locate(
     specs: tuple[ChildSpec, ChildSpec],
     *,
     ranks: int,
+    layers: Layers | None,
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
     serial: bool = False,
@@ -504,7 +622,7 @@ def _locate(
                 trace_out=os.fspath((base / f"trace-{side}").resolve()),
                 trace_optimizer=optimizer_index(first.key),
             )
-            sides.append(_make_run(index, base / f"run-{side}", command, traced, ranks=ranks))
+            sides.append(_make_run(index, base / f"run-{side}", command, traced, ranks=ranks, layers=layers))
         try:
             divergences, _, failed = _watch(
                 sides, progress=None, poll_interval=poll_interval, stop_early=False, serial=serial

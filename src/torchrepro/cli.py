@@ -177,7 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
         "workers (every DataLoader's num_workers), threads (1 <-> 2), hashseed (PYTHONHASHSEED)",
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
-    p.add_argument("--serial", action="store_true", help="run the first run alone, then the others")
+    p.add_argument(
+        "--serial",
+        action="store_true",
+        help="run one run at a time (for a GPU that holds one run, or a script writing fixed paths "
+        "outside the working directory)",
+    )
+    p.add_argument(
+        "--no-isolate",
+        action="store_true",
+        help="let the runs write into the working directory side by side (default: each run writes "
+        "to its own copy-on-write view of it, kept in its record; the user's files are never touched)",
+    )
     p.add_argument(
         "--json", action="store_true", help="print the verdict as one JSON object on stdout (with notes)"
     )
@@ -341,13 +352,17 @@ def _cmd_check(args: argparse.Namespace) -> int:
         vary=args.vary,
         locate=not args.no_locate,
         serial=args.serial,
+        isolate=not args.no_isolate,
         progress=progress,
     )
     if tty:
         print(file=sys.stderr)
     verdict = result.to_dict()
     if result.error is not None:
-        print(f"torchrepro check: the script failed: {result.error}", file=sys.stderr)
+        # runs that wrote the same paths outside the isolation failed because of each other: the
+        # error names them and the ways out, and is not called a failure of the script
+        failed = "" if result.shared_writes else "the script failed: "
+        print(f"torchrepro check: {failed}{result.error}", file=sys.stderr)
         if result.stderr_tail:
             print(result.stderr_tail, file=sys.stderr)
     for note in result.notes:
@@ -365,6 +380,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  ({result.steps_compared} training steps compared; records in {result.check_dir})")
         if result.coverage is not None:
             print(f"  {result.coverage.describe()}")
+        if result.isolation is not None:
+            print(f"  isolation: {result.isolation.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
     if result.error is not None:
         return EXIT_USAGE

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrepro import runrecord
+from torchrepro._child.overlay import Overlay
 from torchrepro._child.spec import RELAUNCHED_VAR, ChildSpec, python_hash_seed
 from torchrepro._proc import descendants, exit_code, kill_tree
 from torchrepro._runtime import cuda_started
@@ -92,21 +93,31 @@ def child_env(
 _BOOTSTRAP = "torchrepro._child.bootstrap"
 _SUPERVISOR = "torchrepro._child.supervisor"
 _TORCHRUN = "torchrepro._child.torchrun"
+_WRITES = "torchrepro._child.writes"
 
 
 def build_command(
-    script: str | None, args: Sequence[str] = (), *, module: str | None = None, nproc: int | None = None
+    script: str | None,
+    args: Sequence[str] = (),
+    *,
+    module: str | None = None,
+    nproc: int | None = None,
+    watch_writes: bool = False,
 ) -> list[str]:
-    """The argv that runs ``script`` (or ``-m module``) under the bootstrap, via torchrun if ``nproc``."""
+    """The argv that runs ``script`` (or ``-m module``) under the bootstrap, via torchrun if ``nproc``.
+
+    ``watch_writes``: every rank notes the paths it writes in its record (``_child.writes``; a check).
+    """
     if (script is None) == (module is None):
         raise LaunchError("give exactly one of a script path or -m MODULE")
     target = ["-m", module] if module is not None else ["--", os.fspath(script or "")]
+    entry = _WRITES if watch_writes else _BOOTSTRAP
     if nproc is None:
-        return [sys.executable, "-m", _BOOTSTRAP, *target, *args]
+        return [sys.executable, "-m", entry, *target, *args]
     if nproc < 1:
         raise SettingsError(f"--nproc must be >= 1, got {nproc}")
     torchrun = [sys.executable, "-m", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"]
-    return [*torchrun, "-m", _BOOTSTRAP, *target, *args]
+    return [*torchrun, "-m", entry, *target, *args]
 
 
 _LAUNCHER_SCRIPTS = ("torchrun", "accelerate")
@@ -225,11 +236,20 @@ def nproc_note(nproc: int | None) -> str | None:
 
 
 def spawn(
-    command: Sequence[str], *, env: Mapping[str, str], new_session: bool = False, **popen: Any
+    command: Sequence[str],
+    *,
+    env: Mapping[str, str],
+    new_session: bool = False,
+    overlay: Overlay | None = None,
+    **popen: Any,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` under the supervisor (``_child.supervisor``): nothing it starts outlives
-    it, and nothing outlives this process, whatever ends it (even SIGKILL)."""
-    argv = [sys.executable, "-m", _SUPERVISOR, str(os.getpid()), "--", *command]
+    it, and nothing outlives this process, whatever ends it (even SIGKILL).
+
+    ``overlay``: the supervisor first isolates the run's writes (``_child.overlay``; a check's runs).
+    """
+    isolate = [] if overlay is None else ["--overlay", overlay.to_arg()]
+    argv = [sys.executable, "-m", _SUPERVISOR, str(os.getpid()), *isolate, "--", *command]
     return subprocess.Popen(argv, env=dict(env), start_new_session=new_session, **popen)
 
 

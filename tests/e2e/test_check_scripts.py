@@ -7,6 +7,7 @@ plain python would (``--no-seed``) or with one irrelevant setting varied, is cau
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,13 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
             "uncovered_ranks": [],
         },
         "notes": [],
+        "isolation": {
+            "mode": "overlay",
+            "root": os.path.realpath(tmp_path),
+            "user_namespace": os.geteuid() != 0,  # root needs no user namespace
+            "reason": None,
+        },
+        "shared_writes": [],
     }
 
     code, verdict, err = check(tmp_path, "--no-seed", script("unseeded.py"))

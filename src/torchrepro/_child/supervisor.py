@@ -1,4 +1,4 @@
-"""The supervisor: ``python -m torchrepro._child.supervisor PARENT_PID -- command...``.
+"""The supervisor: ``python -m torchrepro._child.supervisor PARENT_PID [--overlay JSON] -- command...``.
 
 Every child torchrepro starts runs under one (``launch.spawn``), so that whatever happens to
 torchrepro, nothing it started outlives it. Invariants:
@@ -11,6 +11,9 @@ torchrepro, nothing it started outlives it. Invariants:
   whole tree is stopped and killed at once, silently (no process gets to print a traceback).
 - SIGINT is left to the script (a Ctrl-C in a terminal reaches it directly, and it shows the
   user's own traceback); the supervisor itself ignores it.
+- With ``--overlay`` (``check``'s runs) it enters the run's write isolation (``_child.overlay``)
+  before anything else, so the script and everything it starts share one private view of the
+  working directory; when that fails it starts nothing and exits 2 with one line saying why.
 - Imports only the standard library; on other systems it degrades to a plain wait.
 """
 
@@ -24,6 +27,7 @@ import subprocess
 import sys
 from typing import Any
 
+from torchrepro._child.overlay import Overlay, OverlayError, enter
 from torchrepro._proc import children, exit_code, kill_tree
 
 _PR_SET_PDEATHSIG = 1
@@ -59,10 +63,27 @@ class _Stopped(Exception):
 
 def main(argv: list[str]) -> int:
     """Run ``argv``'s command under supervision; return the exit code to report."""
+    overlay: Overlay | None = None
+    if len(argv) >= 3 and argv[1] == "--overlay":
+        try:
+            overlay = Overlay.from_arg(argv[2])
+        except ValueError:
+            argv = []
+        else:
+            argv = [argv[0], *argv[3:]]
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
-        print("usage: python -m torchrepro._child.supervisor PARENT_PID -- command...", file=sys.stderr)
+        print(
+            "usage: python -m torchrepro._child.supervisor PARENT_PID [--overlay JSON] -- command...",
+            file=sys.stderr,
+        )
         return 2
     parent, command = int(argv[0]), argv[2:]
+    if overlay is not None:  # first: unsharing a user namespace needs a single-threaded process
+        try:
+            enter(overlay)
+        except OverlayError as exc:
+            print(f"torchrepro: cannot isolate the run's writes: {exc}", file=sys.stderr)
+            return 2
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     stop = {"signal": 0}
 
