@@ -66,6 +66,8 @@ RECORD_FILES = (
     r"verdict\.json",
     r"stdout\.log",
     r"stderr\.log",
+    r"writes\.jsonl",
+    r"files\.deleted",
 )
 
 

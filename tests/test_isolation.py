@@ -15,8 +15,9 @@ import pytest
 
 from helpers import SRC, user_env
 from torchrepro._child.overlay import Overlay, _unescape
-from torchrepro._child.writes import WRITES_FILE, read_writes
+from torchrepro._child.writes import read_writes
 from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
+from torchrepro.runrecord import WRITES_FILE
 
 SHELL = "echo new > model.pt; echo ev > records/ev; mkdir made; rm old.txt; cat model.pt"
 

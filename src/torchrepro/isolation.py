@@ -32,13 +32,9 @@ from typing import Any
 from torchrepro._child.overlay import Overlay, submounts
 from torchrepro._child.writes import read_writes
 from torchrepro.launch import spawn
+from torchrepro.runrecord import FILES_DELETED, FILES_DIR
 
-__all__ = ["FILES_DELETED", "FILES_DIR", "Isolation", "Layers", "describe_shared", "probe", "shared_writes"]
-
-FILES_DIR = "files"
-"""In an isolated run's record: what the run wrote below the working directory."""
-FILES_DELETED = "files.deleted"
-"""In an isolated run's record: paths below the working directory the run deleted, one a line."""
+__all__ = ["Isolation", "Layers", "describe_shared", "probe", "shared_writes"]
 
 
 @dataclass(frozen=True)

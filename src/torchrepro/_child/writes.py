@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WRITES_FILE", "main", "read_writes", "watch"]
+from torchrepro.runrecord import WRITES_FILE
 
-WRITES_FILE = "writes.jsonl"
-"""In a check's run record: the paths the run's script wrote, one JSON line each."""
+__all__ = ["main", "read_writes", "watch"]
+
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
