@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from helpers import check_json as check
-from helpers import user_env
-from torchrepro.compare import compare_runs
+from helpers import torchrepro, user_env
+from torchrepro.compare import compare_runs, first_divergence
+from torchrepro.runrecord import load_run
 
 SCRIPTS = Path(__file__).resolve().parent / "child_scripts"
 
@@ -48,12 +49,23 @@ def test_unseeded_randomness_on_a_script_started_rank_is_reported_on_that_rank(
     assert verdict["reproducible"] is False
     first = verdict["first_divergence"]
     assert (first["rank"], first["kind"], first["step"]) == (1, "data", 0), first
-    # `compare` on the check's own two records names the same event (one ordering rule): rank 0's
-    # optimizer step 0, which the all-reduced gradients changed too, is not the first divergence
-    run_a, run_b = sorted(tmp_path.glob(".torchrepro/checks/*/run*"))
-    compared = compare_runs(run_a, run_b).first_divergence
-    assert compared is not None
-    assert (compared.rank, compared.kind, compared.step) == (1, "data", 0), compared
+
+
+def test_compare_names_the_event_check_names(tmp_path: Path) -> None:
+    """Two complete recorded runs of the noisy mp.spawn script: rank 1's batch differs, and the
+    all-reduced gradients carry it into rank 0's optimizer step 0. ``compare`` names rank 1's batch,
+    as ``check`` does above (one ordering rule, ``events.divergence_order``); it used to name rank
+    0's optimizer step (it ordered by step, then rank)."""
+    for name in ("a", "b"):
+        proc = torchrepro(tmp_path, "run", "--record", name, str(SCRIPTS / "mp_spawn.py"), "--noisy")
+        assert proc.returncode == 0, proc.stderr
+    first = compare_runs(tmp_path / "a", tmp_path / "b").first_divergence
+    assert first is not None and (first.rank, first.kind, first.step) == (1, "data", 0), first
+    # the control: rank 0 parts at the same step too, in its optimizer step, which the old
+    # (step, rank) order put first
+    a, b = load_run(tmp_path / "a"), load_run(tmp_path / "b")
+    rank0 = first_divergence(a.events[0], b.events[0], rank=0)
+    assert rank0 is not None and (rank0.kind, rank0.step) == ("compute", 0), rank0
 
 
 def test_a_child_without_a_rank_of_its_own_makes_the_check_inconclusive(tmp_path: Path) -> None:
