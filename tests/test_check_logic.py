@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ENV_PREFIX, ChildSpec, python_hash_seed
-from torchrepro.check import VARY_CHOICES, CheckResult, _make_run, _rank_notes, _run_spec, check_script
+from torchrepro.check import VARY_CHOICES, CheckResult, _run_spec, check_script
+from torchrepro.check_runs import make_run, rank_notes
 from torchrepro.compare import Divergence
 from torchrepro.errors import LaunchError
 
@@ -90,7 +91,7 @@ def test_make_run_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(ENV_PREFIX + "SEED", "99")  # the caller's own protocol variables never leak
     command = ["python", "-m", "torchrepro._child.bootstrap", "--", "t.py"]
-    run = _make_run(1, Path("checks/run1"), command, BASE, ranks=2)
+    run = make_run(1, Path("checks/run1"), command, BASE, ranks=2)
     assert run.index == 1 and run.command == command and run.record_dir == Path("checks/run1")
     assert run.env[ENV_PREFIX + "RECORD_DIR"] == str(tmp_path.resolve() / "checks" / "run1")
     assert Path(run.env[ENV_PREFIX + "RECORD_DIR"]).is_absolute()
@@ -103,7 +104,7 @@ def test_make_run_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_steps_done_counts_the_first_optimizers_steps_on_rank_zero(tmp_path: Path) -> None:
-    run = _make_run(0, tmp_path / "run0", ["python"], BASE, ranks=2)
+    run = make_run(0, tmp_path / "run0", ["python"], BASE, ranks=2)
     run.tails[0].events.extend(
         [
             {"kind": "init", "key": "optimizer0"},
@@ -117,7 +118,7 @@ def test_steps_done_counts_the_first_optimizers_steps_on_rank_zero(tmp_path: Pat
 
 
 def test_stderr_tail_shows_the_whole_last_traceback(tmp_path: Path) -> None:
-    run = _make_run(0, tmp_path, ["python"], BASE, ranks=1)
+    run = make_run(0, tmp_path, ["python"], BASE, ranks=1)
     assert run.stderr_tail() == ""  # no stderr file
     lines = [f"noise {i}" for i in range(50)] + ["Traceback (most recent call last):"]
     lines += [f'  File "t.py", line {i}' for i in range(30)] + ["ValueError: boom"]
@@ -136,19 +137,19 @@ def test_a_rank_without_a_record_is_said_apart_for_runs_the_check_stopped(tmp_pa
         d.mkdir()
         runrecord.events_path(d, 0).write_text("")
         runrecord.write_world(d, 0, 2)  # rank 0 saw a world of 2 ranks
-        run = _make_run(i, d, ["python", "t.py"], BASE, ranks=1)
+        run = make_run(i, d, ["python", "t.py"], BASE, ranks=1)
         run.add_ranks(run.discover())
         runs.append(run)
     runrecord.events_path(runs[2].record_dir, 1).write_text("")  # run 3's rank 1 recorded
     runs[0].returncode = 0  # ended by itself, without a record of rank 1
     runs[1].returncode = None  # stopped by the check before it ended
     runs[2].returncode = 0
-    notes = _rank_notes(runs, None)
+    notes = rank_notes(runs, None)
     missing = "rank 1 (started by the script) wrote no record in run(s)"
     stopped = "rank 1 (started by the script) had written no record when the check stopped run(s)"
     assert len(notes) == 2 and notes[0].startswith(f"{missing} 1:") and notes[1].startswith(f"{stopped} 2,")
     runs[1].returncode = 0  # had it ended by itself, it would be named with run 1
-    assert _rank_notes(runs, None) == [notes[0].replace(f"{missing} 1:", f"{missing} 1, 2:")]
+    assert rank_notes(runs, None) == [notes[0].replace(f"{missing} 1:", f"{missing} 1, 2:")]
 
 
 # --- CheckResult ----------------------------------------------------------------------------------
@@ -273,9 +274,9 @@ def test_check_runs_wait_passively_unless_the_user_chose(
 ) -> None:
     """The runs share the cores: spinning OpenMP threads would burn what the other run needs."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    run = _make_run(0, tmp_path / "run0", ["python", "x.py"], BASE, ranks=1)
+    run = make_run(0, tmp_path / "run0", ["python", "x.py"], BASE, ranks=1)
     assert run.env["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert (
-        _make_run(1, tmp_path / "run1", ["python", "x.py"], BASE, ranks=1).env["OMP_WAIT_POLICY"] == "ACTIVE"
+        make_run(1, tmp_path / "run1", ["python", "x.py"], BASE, ranks=1).env["OMP_WAIT_POLICY"] == "ACTIVE"
     )

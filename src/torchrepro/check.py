@@ -26,38 +26,31 @@ Invariants:
 from __future__ import annotations
 
 import os
-import subprocess
-import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from torchrepro import runrecord
-from torchrepro._child.overlay import Overlay
 from torchrepro._child.spec import ChildSpec, python_hash_seed
+from torchrepro.check_runs import CheckProgress, make_run, rank_notes, varied_workers, watch
 from torchrepro.compare import (
     Coverage,
     Divergence,
-    RankCursor,
     coverage,
     locate_in_traces,
     steps_compared,
 )
-from torchrepro.errors import ReproError, SettingsError
-from torchrepro.events import in_order, is_step, optimizer_index
+from torchrepro.errors import SettingsError
+from torchrepro.events import optimizer_index
 from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
 from torchrepro.launch import (
     build_command,
     check_target,
-    kill_tree,
     nproc_note,
     run_settings,
-    spawn,
     terminate_on_signals,
 )
-from torchrepro.runrecord import EventTail
 
 __all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
 
@@ -65,14 +58,6 @@ VARY_CHOICES = ("workers", "threads", "hashseed")
 """What ``--vary`` can change in later runs."""
 
 LOCATE_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class CheckProgress:
-    """A progress report: optimizer steps each run has completed (on rank 0), and the phase."""
-
-    phase: str
-    steps: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -123,94 +108,6 @@ class CheckResult:
         return d
 
 
-@dataclass
-class _Run:
-    index: int
-    record_dir: Path
-    command: list[str]
-    env: dict[str, str]
-    ranks: int
-    overlay: Overlay | None = None
-    layers: Layers | None = None
-    proc: subprocess.Popen[bytes] | None = None
-    tails: list[EventTail] = field(default_factory=list)
-    stdout: IO[bytes] | None = None
-    stderr: IO[bytes] | None = None
-    returncode: int | None = None
-
-    def start(self) -> None:
-        self.record_dir.mkdir(parents=True, exist_ok=True)
-        self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
-        self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
-        self.proc = spawn(
-            self.command,
-            env=self.env,
-            new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            overlay=self.overlay,
-        )
-
-    def __post_init__(self) -> None:
-        self.tails = [EventTail(runrecord.events_path(self.record_dir, r)) for r in range(self.ranks)]
-
-    def discover(self) -> int:
-        """The ranks this run has shown so far (the script may start ranks itself)."""
-        return max(self.ranks, max(runrecord.ranks_present(self.record_dir), default=-1) + 1)
-
-    def add_ranks(self, ranks: int) -> None:
-        """Follow the events of ranks up to ``ranks`` (files that may not exist yet)."""
-        while len(self.tails) < ranks:
-            self.tails.append(EventTail(runrecord.events_path(self.record_dir, len(self.tails))))
-        self.ranks = max(self.ranks, ranks)
-
-    def poll(self) -> bool:
-        """Read new events; True once the process has exited (events then complete)."""
-        if self.proc is None:  # not started yet (--serial)
-            return False
-        if self.returncode is None:
-            self.returncode = self.proc.poll()
-        for tail in self.tails:
-            tail.poll()
-        return self.returncode is not None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            kill_tree(self.proc.pid)
-            self.proc.wait()
-        elif self.proc is not None:
-            kill_tree(self.proc.pid)  # leftovers, e.g. DataLoader workers of a finished rank
-        for f in (self.stdout, self.stderr):
-            if f is not None:
-                f.close()
-        if self.layers is not None:  # every process of the run has ended: its overlay is gone
-            self.layers.collect(self.record_dir)
-            self.layers = None
-
-    def steps_done(self) -> int:
-        if not self.tails:
-            return 0
-        events = self.tails[0].events
-        optimizer = sum(1 for e in events if is_step(e["kind"], e["key"]))
-        # steps no optimizer sees: two events each (gradients, then the parameters after the update)
-        return optimizer or sum(1 for e in events if is_step(e["kind"], e["key"], backward=True)) // 2
-
-    def stderr_tail(self, lines: int = 25) -> str:
-        try:
-            text = (self.record_dir / runrecord.STDERR_FILE).read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-        rows = text.rstrip().splitlines()
-        start = max(0, len(rows) - lines)
-        for i in range(len(rows) - 1, -1, -1):  # show the whole last traceback when it fits
-            if rows[i].startswith("Traceback ("):
-                if len(rows) - i <= 60:
-                    start = min(start, i)
-                break
-        return "\n".join(rows[start:])
-
-
 def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> ChildSpec:
     """The spec of run ``index``: ``base`` with what ``--vary`` changes in later runs."""
     if vary is None:
@@ -225,28 +122,6 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
 
 
-_OMP_WAIT = "OMP_WAIT_POLICY"
-
-
-def _varied_workers(run: _Run, ranks: int) -> tuple[str, bool]:
-    """What ``--vary workers`` changed in ``run`` (a note), and whether it changed anything."""
-    changes: Counter[tuple[int, int]] = Counter()
-    for rank in range(ranks):
-        try:
-            found = runrecord.read_varied(run.record_dir, rank)
-        except ReproError as exc:
-            return f"--vary workers: what was varied is unknown ({exc})", False
-        changes.update(found or [])
-    if not changes:
-        return f"--vary workers: run {run.index + 1} created no DataLoader; nothing was varied", False
-    total = sum(changes.values())
-    parts = ", ".join(
-        f"{a} -> {b}" + (f" in {n}" if len(changes) > 1 else "") for (a, b), n in sorted(changes.items())
-    )
-    loaders = f"{total} DataLoader{'s' if total != 1 else ''}"
-    return f"--vary workers: num_workers {parts} in {loaders} (run {run.index + 1})", True
-
-
 def _varied_setting(specs: tuple[ChildSpec, ChildSpec]) -> str | None:
     """How ``--vary threads`` started the two located runs differently, in words (else None)."""
     a, b = specs
@@ -257,139 +132,6 @@ def _varied_setting(specs: tuple[ChildSpec, ChildSpec]) -> str | None:
         return f"{n} thread{'s' if n != 1 else ''}"
 
     return f"between {threads(a.threads)} (first run) and {threads(b.threads)} (other run)"
-
-
-def _make_run(
-    index: int,
-    record_dir: Path,
-    command: list[str],
-    spec: ChildSpec,
-    *,
-    ranks: int,
-    layers: Layers | None = None,
-) -> _Run:
-    spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
-    overlay = None if layers is None else layers.overlay(record_dir)
-    env = spec.to_env()
-    # The runs of a check share the cores. OpenMP threads that wait by spinning (the default)
-    # then burn the cores the other run needs: a check of a short CPU script took 2-2.5x one
-    # run instead of ~1.2x. Passive waiting changes neither the thread count nor how work is
-    # split, so no result changes; a policy the user set is kept.
-    env.setdefault(_OMP_WAIT, "PASSIVE")
-    return _Run(
-        index=index,
-        record_dir=record_dir,
-        command=command,
-        env=env,
-        ranks=ranks,
-        overlay=overlay,
-        layers=layers,
-    )
-
-
-def _discover_ranks(runs: list[_Run], cursors: dict[tuple[int, int], RankCursor]) -> None:
-    """Compare the ranks a script started itself too, once any run shows them."""
-    ranks = max(run.discover() for run in runs)
-    first = runs[0]
-    for run in runs:
-        run.add_ranks(ranks)
-    for run in runs[1:]:
-        for r in range(ranks):
-            if (run.index, r) not in cursors:
-                cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
-
-
-def _rank_notes(runs: list[_Run], nproc: int | None) -> list[str]:
-    """Why ranks the script started itself, or python children it started, were not compared."""
-    notes: list[str] = []
-    started = max(run.ranks for run in runs)
-    for r in range(nproc or 1, started):
-        ended: list[str] = []
-        stopped: list[str] = []  # runs the check stopped (at a divergence): r may not have begun
-        for run in runs:
-            if not runrecord.events_path(run.record_dir, r).exists():
-                (ended if run.returncode is not None else stopped).append(str(run.index + 1))
-        if ended:
-            notes.append(
-                f"rank {r} (started by the script) wrote no record in run(s) {', '.join(ended)}: it "
-                "joined the process group but was not a python process torchrepro could configure "
-                "(e.g. a forked process), or it ended first"
-            )
-        if stopped:
-            notes.append(
-                f"rank {r} (started by the script) had written no record when the check stopped "
-                f"run(s) {', '.join(stopped)}, so it was not compared (a process torchrepro cannot "
-                "configure, e.g. a forked one, never writes one)"
-            )
-    children: dict[str, list[int]] = {}
-    for run in runs:
-        for line in runrecord.read_uncovered(run.record_dir):
-            children.setdefault(line, []).append(run.index + 1)
-    for line, indices in children.items():
-        notes.append(f"run(s) {', '.join(map(str, indices))}: {line}")
-    return notes
-
-
-def _watch(
-    runs: list[_Run],
-    *,
-    progress: Callable[[CheckProgress], None] | None,
-    poll_interval: float,
-    stop_early: bool = True,
-    serial: bool = False,
-) -> tuple[list[tuple[int, Divergence]], list[RankCursor], _Run | None]:
-    """Start the runs, compare live; return (divergences, cursors, failed run or None).
-
-    ``serial``: one run at a time, each later one compared live against the first.
-    """
-    for run in runs[:1] if serial else runs:
-        run.start()
-    first = runs[0]
-    cursors: dict[tuple[int, int], RankCursor] = {}
-    for run in runs[1:]:
-        for r in range(run.ranks):
-            cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
-    found: dict[tuple[int, int], Divergence] = {}
-    last_steps: tuple[int, ...] = ()
-    failed: _Run | None = None
-    while True:
-        _discover_ranks(runs, cursors)
-        done = [run.poll() for run in runs]
-        started = [r for r in runs if r.proc is not None]
-        if serial and len(started) < len(runs) and all(r.returncode == 0 for r in started):
-            runs[len(started)].start()  # the runs so far ended well: the next one, alone
-            continue
-        for run, is_done in zip(runs, done, strict=True):
-            if is_done and run.returncode != 0 and failed is None:
-                failed = run
-        if failed is not None:  # several may have failed by now: report the first in run order
-            time.sleep(poll_interval)
-            failed = next(r for r in runs if r.poll() and r.returncode != 0)
-        if failed is not None:
-            break
-        for (i, r), cursor in cursors.items():
-            d = cursor.advance(a_done=done[0], b_done=done[i])
-            if d is not None and (i, r) not in found:
-                found[(i, r)] = d
-        if found and stop_early:
-            break
-        if all(done):
-            break
-        if progress is not None:
-            steps = tuple(run.steps_done() for run in runs)
-            if steps != last_steps:
-                last_steps = steps
-                progress(CheckProgress(phase="running", steps=steps))
-        time.sleep(poll_interval)
-    _discover_ranks(runs, cursors)
-    for run in runs:  # events written up to the stop still count
-        run.poll()
-    for (i, r), cursor in cursors.items():
-        d = cursor.advance()
-        if d is not None and (i, r) not in found:
-            found[(i, r)] = d
-    divergences = in_order([(i, d) for (i, _), d in found.items()])  # the one rule compare uses too
-    return divergences, list(cursors.values()), failed
 
 
 def check_script(
@@ -499,8 +241,7 @@ def _check(
     ranks = nproc or 1
     specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
     all_runs = [
-        _make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks, layers=layers)
-        for i in range(runs)
+        make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks, layers=layers) for i in range(runs)
     ]
     for run in all_runs:
         runrecord.write_run_files(
@@ -513,15 +254,15 @@ def _check(
         notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
         with terminate_on_signals():
-            divergences, cursors, failed = _watch(
+            divergences, cursors, failed = watch(
                 all_runs, progress=progress, poll_interval=poll_interval, serial=serial
             )
     finally:
         for run in all_runs:
             run.stop()
     ranks = max(run.ranks for run in all_runs)  # with the ranks the script started itself
-    rank_notes = _rank_notes(all_runs, nproc)
-    notes.extend(rank_notes)
+    unranked = rank_notes(all_runs, nproc)
+    notes.extend(unranked)
     together = [] if serial else [range(runs)]
     shared = shared_writes(
         [run.record_dir for run in all_runs], together, isolation=isolation, check_dir=check_dir
@@ -568,11 +309,11 @@ def _check(
     if first is None and not covered.conclusive:
         reproducible = None
         notes.append(covered.inconclusive_note())
-    elif first is None and rank_notes:
+    elif first is None and unranked:
         reproducible = None
         notes.append("inconclusive: a python process the script started trained unrecorded (above)")
     if vary == "workers" and runs > 1:
-        varied_note, varied_anything = _varied_workers(all_runs[1], ranks)
+        varied_note, varied_anything = varied_workers(all_runs[1], ranks)
         notes.append(varied_note)
         if first is None and not varied_anything and reproducible:
             reproducible = None
@@ -622,9 +363,9 @@ def _locate(
                 trace_out=os.fspath((base / f"trace-{side}").resolve()),
                 trace_optimizer=optimizer_index(first.key),
             )
-            sides.append(_make_run(index, base / f"run-{side}", command, traced, ranks=ranks, layers=layers))
+            sides.append(make_run(index, base / f"run-{side}", command, traced, ranks=ranks, layers=layers))
         try:
-            divergences, _, failed = _watch(
+            divergences, _, failed = watch(
                 sides, progress=None, poll_interval=poll_interval, stop_early=False, serial=serial
             )
         except Exception as exc:

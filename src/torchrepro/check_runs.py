@@ -1,0 +1,286 @@
+"""The runs of a check: each run's processes, record tails and layers, started and compared live.
+
+Invariants:
+- A run starts under the supervisor (``launch.spawn``), in its write-isolation overlay when the
+  check has one, with OpenMP threads that wait passively (the runs share the cores; no result
+  changes); ``Run.stop`` ends its whole process tree and then moves its writes into its record.
+- ``watch`` compares every later run against the first, event by event as the events arrive,
+  rank by rank (ranks the script starts itself are discovered from the records), and returns the
+  divergences in the one order ``events.in_order`` gives; with ``stop_early`` it stops at the
+  first; with ``serial`` it starts one run at a time.
+- A run that fails is reported as the first failed run in run order, never as a divergence.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from torchrepro import runrecord
+from torchrepro._child.overlay import Overlay
+from torchrepro._child.spec import ChildSpec
+from torchrepro.compare import Divergence, RankCursor
+from torchrepro.errors import ReproError
+from torchrepro.events import in_order, is_step
+from torchrepro.isolation import Layers
+from torchrepro.launch import kill_tree, spawn
+from torchrepro.runrecord import EventTail
+
+__all__ = ["CheckProgress", "Run", "discover_ranks", "make_run", "rank_notes", "varied_workers", "watch"]
+
+
+@dataclass(frozen=True)
+class CheckProgress:
+    """A progress report: optimizer steps each run has completed (on rank 0), and the phase."""
+
+    phase: str
+    steps: tuple[int, ...]
+
+
+@dataclass
+class Run:
+    index: int
+    record_dir: Path
+    command: list[str]
+    env: dict[str, str]
+    ranks: int
+    overlay: Overlay | None = None
+    layers: Layers | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    tails: list[EventTail] = field(default_factory=list)
+    stdout: IO[bytes] | None = None
+    stderr: IO[bytes] | None = None
+    returncode: int | None = None
+
+    def start(self) -> None:
+        self.record_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
+        self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
+        self.proc = spawn(
+            self.command,
+            env=self.env,
+            new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self.stdout,
+            stderr=self.stderr,
+            overlay=self.overlay,
+        )
+
+    def __post_init__(self) -> None:
+        self.tails = [EventTail(runrecord.events_path(self.record_dir, r)) for r in range(self.ranks)]
+
+    def discover(self) -> int:
+        """The ranks this run has shown so far (the script may start ranks itself)."""
+        return max(self.ranks, max(runrecord.ranks_present(self.record_dir), default=-1) + 1)
+
+    def add_ranks(self, ranks: int) -> None:
+        """Follow the events of ranks up to ``ranks`` (files that may not exist yet)."""
+        while len(self.tails) < ranks:
+            self.tails.append(EventTail(runrecord.events_path(self.record_dir, len(self.tails))))
+        self.ranks = max(self.ranks, ranks)
+
+    def poll(self) -> bool:
+        """Read new events; True once the process has exited (events then complete)."""
+        if self.proc is None:  # not started yet (--serial)
+            return False
+        if self.returncode is None:
+            self.returncode = self.proc.poll()
+        for tail in self.tails:
+            tail.poll()
+        return self.returncode is not None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        elif self.proc is not None:
+            kill_tree(self.proc.pid)  # leftovers, e.g. DataLoader workers of a finished rank
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        if self.layers is not None:  # every process of the run has ended: its overlay is gone
+            self.layers.collect(self.record_dir)
+            self.layers = None
+
+    def steps_done(self) -> int:
+        if not self.tails:
+            return 0
+        events = self.tails[0].events
+        optimizer = sum(1 for e in events if is_step(e["kind"], e["key"]))
+        # steps no optimizer sees: two events each (gradients, then the parameters after the update)
+        return optimizer or sum(1 for e in events if is_step(e["kind"], e["key"], backward=True)) // 2
+
+    def stderr_tail(self, lines: int = 25) -> str:
+        try:
+            text = (self.record_dir / runrecord.STDERR_FILE).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        rows = text.rstrip().splitlines()
+        start = max(0, len(rows) - lines)
+        for i in range(len(rows) - 1, -1, -1):  # show the whole last traceback when it fits
+            if rows[i].startswith("Traceback ("):
+                if len(rows) - i <= 60:
+                    start = min(start, i)
+                break
+        return "\n".join(rows[start:])
+
+
+_OMP_WAIT = "OMP_WAIT_POLICY"
+
+
+def varied_workers(run: Run, ranks: int) -> tuple[str, bool]:
+    """What ``--vary workers`` changed in ``run`` (a note), and whether it changed anything."""
+    changes: Counter[tuple[int, int]] = Counter()
+    for rank in range(ranks):
+        try:
+            found = runrecord.read_varied(run.record_dir, rank)
+        except ReproError as exc:
+            return f"--vary workers: what was varied is unknown ({exc})", False
+        changes.update(found or [])
+    if not changes:
+        return f"--vary workers: run {run.index + 1} created no DataLoader; nothing was varied", False
+    total = sum(changes.values())
+    parts = ", ".join(
+        f"{a} -> {b}" + (f" in {n}" if len(changes) > 1 else "") for (a, b), n in sorted(changes.items())
+    )
+    loaders = f"{total} DataLoader{'s' if total != 1 else ''}"
+    return f"--vary workers: num_workers {parts} in {loaders} (run {run.index + 1})", True
+
+
+def make_run(
+    index: int,
+    record_dir: Path,
+    command: list[str],
+    spec: ChildSpec,
+    *,
+    ranks: int,
+    layers: Layers | None = None,
+) -> Run:
+    spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
+    overlay = None if layers is None else layers.overlay(record_dir)
+    env = spec.to_env()
+    # The runs of a check share the cores. OpenMP threads that wait by spinning (the default)
+    # then burn the cores the other run needs: a check of a short CPU script took 2-2.5x one
+    # run instead of ~1.2x. Passive waiting changes neither the thread count nor how work is
+    # split, so no result changes; a policy the user set is kept.
+    env.setdefault(_OMP_WAIT, "PASSIVE")
+    return Run(
+        index=index,
+        record_dir=record_dir,
+        command=command,
+        env=env,
+        ranks=ranks,
+        overlay=overlay,
+        layers=layers,
+    )
+
+
+def discover_ranks(runs: list[Run], cursors: dict[tuple[int, int], RankCursor]) -> None:
+    """Compare the ranks a script started itself too, once any run shows them."""
+    ranks = max(run.discover() for run in runs)
+    first = runs[0]
+    for run in runs:
+        run.add_ranks(ranks)
+    for run in runs[1:]:
+        for r in range(ranks):
+            if (run.index, r) not in cursors:
+                cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+
+
+def rank_notes(runs: list[Run], nproc: int | None) -> list[str]:
+    """Why ranks the script started itself, or python children it started, were not compared."""
+    notes: list[str] = []
+    started = max(run.ranks for run in runs)
+    for r in range(nproc or 1, started):
+        ended: list[str] = []
+        stopped: list[str] = []  # runs the check stopped (at a divergence): r may not have begun
+        for run in runs:
+            if not runrecord.events_path(run.record_dir, r).exists():
+                (ended if run.returncode is not None else stopped).append(str(run.index + 1))
+        if ended:
+            notes.append(
+                f"rank {r} (started by the script) wrote no record in run(s) {', '.join(ended)}: it "
+                "joined the process group but was not a python process torchrepro could configure "
+                "(e.g. a forked process), or it ended first"
+            )
+        if stopped:
+            notes.append(
+                f"rank {r} (started by the script) had written no record when the check stopped "
+                f"run(s) {', '.join(stopped)}, so it was not compared (a process torchrepro cannot "
+                "configure, e.g. a forked one, never writes one)"
+            )
+    children: dict[str, list[int]] = {}
+    for run in runs:
+        for line in runrecord.read_uncovered(run.record_dir):
+            children.setdefault(line, []).append(run.index + 1)
+    for line, indices in children.items():
+        notes.append(f"run(s) {', '.join(map(str, indices))}: {line}")
+    return notes
+
+
+def watch(
+    runs: list[Run],
+    *,
+    progress: Callable[[CheckProgress], None] | None,
+    poll_interval: float,
+    stop_early: bool = True,
+    serial: bool = False,
+) -> tuple[list[tuple[int, Divergence]], list[RankCursor], Run | None]:
+    """Start the runs, compare live; return (divergences, cursors, failed run or None).
+
+    ``serial``: one run at a time, each later one compared live against the first.
+    """
+    for run in runs[:1] if serial else runs:
+        run.start()
+    first = runs[0]
+    cursors: dict[tuple[int, int], RankCursor] = {}
+    for run in runs[1:]:
+        for r in range(run.ranks):
+            cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+    found: dict[tuple[int, int], Divergence] = {}
+    last_steps: tuple[int, ...] = ()
+    failed: Run | None = None
+    while True:
+        discover_ranks(runs, cursors)
+        done = [run.poll() for run in runs]
+        started = [r for r in runs if r.proc is not None]
+        if serial and len(started) < len(runs) and all(r.returncode == 0 for r in started):
+            runs[len(started)].start()  # the runs so far ended well: the next one, alone
+            continue
+        for run, is_done in zip(runs, done, strict=True):
+            if is_done and run.returncode != 0 and failed is None:
+                failed = run
+        if failed is not None:  # several may have failed by now: report the first in run order
+            time.sleep(poll_interval)
+            failed = next(r for r in runs if r.poll() and r.returncode != 0)
+        if failed is not None:
+            break
+        for (i, r), cursor in cursors.items():
+            d = cursor.advance(a_done=done[0], b_done=done[i])
+            if d is not None and (i, r) not in found:
+                found[(i, r)] = d
+        if found and stop_early:
+            break
+        if all(done):
+            break
+        if progress is not None:
+            steps = tuple(run.steps_done() for run in runs)
+            if steps != last_steps:
+                last_steps = steps
+                progress(CheckProgress(phase="running", steps=steps))
+        time.sleep(poll_interval)
+    discover_ranks(runs, cursors)
+    for run in runs:  # events written up to the stop still count
+        run.poll()
+    for (i, r), cursor in cursors.items():
+        d = cursor.advance()
+        if d is not None and (i, r) not in found:
+            found[(i, r)] = d
+    divergences = in_order([(i, d) for (i, _), d in found.items()])  # the one rule compare uses too
+    return divergences, list(cursors.values()), failed
