@@ -81,9 +81,14 @@ def test_latest_skips_incomplete_rank_sets(tmp_path: Path) -> None:
         assert latest_checkpoint(tmp_path) == str(tmp_path / "step-1.pt")
 
 
-def test_latest_on_a_missing_directory_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="does not exist"):
-        latest_checkpoint(tmp_path / "nope")
+def test_latest_in_a_directory_not_made_yet_is_none_and_in_a_file_an_error(tmp_path: Path) -> None:
+    """A first run resumes from nothing: ``latest_checkpoint("ckpt")`` before the first save (the
+    README's resume example) used to raise; a path that is a file still does."""
+    assert latest_checkpoint(tmp_path / "not-yet") is None
+    assert not (tmp_path / "not-yet").exists()  # asking creates nothing
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(CheckpointError, match=r"a-file is not a directory"):
+        latest_checkpoint(tmp_path / "a-file")
 
 
 # -- a load racing saves of the same path ----------------------------------------------------------

@@ -339,7 +339,8 @@ def _valid_entry(entry: Any) -> bool:
 def latest_checkpoint(
     directory: str | os.PathLike[str], *, verify: bool = True, max_expanded_bytes: int | None = None
 ) -> str | None:
-    """The most recently saved complete checkpoint in ``directory``, or ``None`` if there is none.
+    """The most recently saved complete checkpoint in ``directory``, or ``None`` if there is none
+    (a directory that does not exist yet holds none: a first run resumes from nothing).
 
     "Most recent" is the save clock stored inside each file, not the filesystem mtime. Temporary
     files of writes in progress are ignored; files named like checkpoints (``.pt``, ``.pth``,
@@ -359,7 +360,12 @@ def latest_checkpoint(
     _check_limit(max_expanded_bytes)
     root = Path(directory)
     if not root.is_dir():
-        raise CheckpointError(f"Checkpoint directory {root} does not exist or is not a directory.")
+        if not os.path.lexists(root):
+            return None
+        raise CheckpointError(
+            f"Checkpoint directory {root} is not a directory; pass the directory the checkpoints "
+            "are saved in."
+        )
     # Never return a file that is not durable yet: wait for this process's fsyncs there rather
     # than skip their files (that would resume from an older checkpoint than the one just saved).
     _wait_pending(root)
