@@ -108,7 +108,7 @@ class _Divergent(Protocol):
     def rank(self) -> int: ...
 
 
-D = TypeVar("D", bound=_Divergent)
+_D = TypeVar("_D", bound=_Divergent)
 
 
 def divergence_order(d: _Divergent, run: int = 1) -> tuple[int, int, int, int]:
@@ -123,11 +123,11 @@ def divergence_order(d: _Divergent, run: int = 1) -> tuple[int, int, int, int]:
     return d.step, kind_order, run, d.rank
 
 
-def earliest(divergences: Iterable[D]) -> D | None:
+def earliest(divergences: Iterable[_D]) -> _D | None:
     """The divergence reported among several ranks' first divergences (see ``divergence_order``)."""
     return min(divergences, key=divergence_order, default=None)
 
 
-def in_order(found: Sequence[tuple[int, D]]) -> list[tuple[int, D]]:
+def in_order(found: Sequence[tuple[int, _D]]) -> list[tuple[int, _D]]:
     """``(run, divergence)`` pairs sorted by ``divergence_order``: the first is the one reported."""
     return sorted(found, key=lambda x: divergence_order(x[1], x[0]))
