@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers import free_port
-from torchrepro._runtime import cuda_started, env_rank, process_group
+from torchrepro._runtime import cuda_started, env_rank, group_rank, process_group
 
 
 @pytest.mark.parametrize(
@@ -31,11 +31,11 @@ def test_env_rank(env: dict[str, str], rank: int | None) -> None:
 
 
 def test_process_group_is_the_fixed_one_else_the_group_else_rank_0_of_1() -> None:
-    assert process_group() == (0, 1)
+    assert process_group() == (0, 1) and group_rank() is None  # no group: rank 0 of 1, no group rank
     assert process_group((2, 4)) == (2, 4)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        assert process_group() == (0, 1) and dist.is_initialized()
+        assert process_group() == (0, 1) and dist.is_initialized() and group_rank() == 0
         assert process_group((1, 3)) == (1, 3)
     finally:
         dist.destroy_process_group()

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["cuda_started", "env_rank", "process_group"]
+__all__ = ["cuda_started", "env_rank", "group_rank", "process_group"]
 
 
 def cuda_started() -> bool:
@@ -24,14 +25,24 @@ def cuda_started() -> bool:
     return torch is not None and bool(torch.cuda.is_initialized())
 
 
+def _group() -> Any:
+    """``torch.distributed`` when this process has an initialised process group, else None."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def group_rank() -> int | None:
+    """This process's rank in its initialised process group; None: it has none."""
+    dist = _group()
+    return None if dist is None else int(dist.get_rank())
+
+
 def process_group(fixed: tuple[int, int] | None = None) -> tuple[int, int]:
     """``(rank, world_size)``: ``fixed`` when given, else the initialised process group's, else ``(0, 1)``."""
     if fixed is not None:
         return fixed
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank()), int(dist.get_world_size())
-    return 0, 1
+    dist = _group()
+    return (0, 1) if dist is None else (int(dist.get_rank()), int(dist.get_world_size()))
 
 
 def env_rank(environ: Mapping[str, str] | None = None) -> int | None:

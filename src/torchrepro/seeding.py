@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from torchrepro._compat import lazy_import, numpy_or_none
+from torchrepro._runtime import cuda_started
 
 if TYPE_CHECKING:
     import torch
@@ -195,7 +196,7 @@ def seed_streams(seed: int, *, idle_cuda: bool) -> None:
         torch.manual_seed(torch_seed)
         return
     torch.default_generator.manual_seed(torch_seed)
-    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if cuda_started():
         torch.cuda.manual_seed_all(torch_seed)
 
 

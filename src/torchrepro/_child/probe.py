@@ -36,6 +36,7 @@ import torch
 from torchrepro import recorder as _recorder
 from torchrepro._frames import user_site
 from torchrepro._io import atomic_write_json
+from torchrepro._runtime import cuda_started
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.flags import DeterminismFlags
 
@@ -582,7 +583,7 @@ class SettingsProbe:
             dataloaders=tuple(self._loader_records()),
             optimizer_steps=self.optimizer_steps,
             calls=tuple(self.calls.values()),
-            cuda_initialized=torch.cuda.is_initialized(),  # type: ignore[no-untyped-call]
+            cuda_initialized=cuda_started(),
         )
 
     def write(self) -> None:

@@ -18,7 +18,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from torchrepro._child.spec import mark_rank, parent_rank
-from torchrepro._runtime import env_rank
+from torchrepro._runtime import env_rank, group_rank
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,9 +45,9 @@ class RankClaim:
         mark_rank(str(self._env_rank if self._env_rank is not None else (0 if main else "")))
 
     def _resolve(self) -> tuple[int | None, str]:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()), ""
+        rank = group_rank()
+        if rank is not None:
+            return rank, ""
         if self._env_rank is not None:
             return self._env_rank, ""
         if self.main:

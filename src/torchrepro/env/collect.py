@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from torchrepro._child.spec import ENV_PREFIX
+from torchrepro._runtime import cuda_started
 from torchrepro._version import __version__
 from torchrepro.env.model import Environment
 
@@ -293,7 +294,7 @@ def _nccl_version() -> str | None:
 
 def _gpus() -> tuple[str | None, list[dict[str, Any]] | None, bool]:
     """(driver, visible GPUs, whether CUDA was initialised). Never initialises CUDA."""
-    initialized = bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+    initialized = cuda_started()
     driver: str | None = None
     gpus: list[dict[str, Any]] | None = None
     smi = _run(

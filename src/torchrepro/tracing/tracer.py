@@ -33,6 +33,7 @@ from typing import Any, Final
 import torch
 
 from torchrepro._io import atomic_write_json
+from torchrepro._runtime import group_rank
 from torchrepro.errors import TraceError
 from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
@@ -227,10 +228,7 @@ class Tracer(_Observer):
 
     # -- file -----------------------------------------------------------------------------------
     def _write(self) -> None:
-        rank = None
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized():
-            rank = int(dist.get_rank())
+        rank = group_rank()
         doc = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
