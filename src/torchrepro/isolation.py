@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrepro._child.overlay import Overlay, submounts
+from torchrepro._child.overlay import Overlay, below, submounts
 from torchrepro._child.writes import read_writes
 from torchrepro.launch import spawn
 from torchrepro.runrecord import FILES_DELETED, FILES_DIR
@@ -69,10 +69,6 @@ class Isolation:
         return f"the runs shared {self.root}: {self.reason}"
 
 
-def _below(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _layer_base(root: str) -> str | None:
     """A directory outside ``root`` for the upper layers: on ``root``'s filesystem when possible
     (the layers are then moved into the records, not copied)."""
@@ -82,7 +78,7 @@ def _layer_base(root: str) -> str | None:
         if (
             os.path.isdir(real)
             and os.access(real, os.W_OK)
-            and not _below(real, root)
+            and not below(real, root)
             and real not in candidates
         ):
             candidates.append(real)
@@ -138,10 +134,14 @@ class Layers:
         self.made[name] = overlay = Overlay(root=self.root, layer=layer, keep=(self.check_dir,))
         return overlay
 
+    def discard(self, record_dir: Path) -> Overlay | None:
+        """Forget the layer of the run recorded in ``record_dir`` and return it (None: none)."""
+        return self.made.pop(self._name(record_dir), None)
+
     def collect(self, record_dir: Path) -> None:
         """Move the writes of the run recorded in ``record_dir`` into it (``FILES_DIR``,
         ``FILES_DELETED``); call when every process of the run has ended."""
-        overlay = self.made.pop(self._name(record_dir), None)
+        overlay = self.discard(record_dir)
         if overlay is None or not os.path.isdir(overlay.upper):
             return
         deleted: list[str] = []
@@ -184,7 +184,7 @@ def probe(layers: Layers) -> tuple[bool, str | None]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"the isolation probe failed: {exc}"
     finally:
-        layers.made.pop(layers._name(probe_dir), None)
+        layers.discard(probe_dir)
         _rmtree(overlay.layer)
     if proc.returncode != 0:
         lines = err.decode(errors="replace").strip().splitlines()
@@ -220,9 +220,9 @@ def shared_writes(
         seen: set[str] = set()
         for i in group:
             for path in writes[i]:
-                if _below(path, check) or _ignored(path):
+                if below(path, check) or _ignored(path):
                     continue
-                if isolated and _below(path, isolation.root) and not any(_below(path, m) for m in mounts):
+                if isolated and below(path, isolation.root) and not any(below(path, m) for m in mounts):
                     continue
                 if path in seen:
                     shared.add(path)

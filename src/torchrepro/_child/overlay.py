@@ -25,7 +25,7 @@ import json
 import os
 from dataclasses import dataclass
 
-__all__ = ["Overlay", "OverlayError", "enter", "submounts"]
+__all__ = ["Overlay", "OverlayError", "below", "enter", "submounts"]
 
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWUSER = 0x10000000
@@ -72,6 +72,11 @@ class Overlay:
         if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
             raise ValueError(f"not an overlay description: {text!r}")
         return cls(root=d["root"], layer=d["layer"], keep=tuple(keep))
+
+
+def below(path: str, root: str) -> bool:
+    """Whether ``path`` is ``root`` or lies below it (both absolute)."""
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _libc() -> ctypes.CDLL:
@@ -189,6 +194,6 @@ def enter(overlay: Overlay) -> bool:
     finally:
         for fd, _ in fds:
             os.close(fd)
-    if cwd == overlay.root or cwd.startswith(overlay.root.rstrip("/") + "/"):
+    if below(cwd, overlay.root):
         os.chdir(cwd)  # the old cwd is the directory below the overlay: enter the overlay
     return userns
