@@ -85,13 +85,33 @@ def test_seed_everything_seeds_every_library(rng_changes_ok: None) -> None:
     assert current_seed() == 2**64 - 1
 
 
+@pytest.mark.parametrize("seed", [0, 42, 2**32 - 1])
+def test_seed_everything_seeds_the_global_streams_as_the_libraries_own_seeding_does(
+    seed: int, rng_changes_ok: None
+) -> None:
+    # a project adopting torchrepro keeps its results: the same draws as its own seeding gave
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    own = _draws()
+    torchrepro.seed_everything(seed + 1)  # negative control: another seed, other draws
+    assert all(x != y for x, y in zip(_draws(), own, strict=True))
+    torchrepro.seed_everything(seed)
+    assert _draws() == own
+
+
 def test_distinct_seeds_distinct_streams_in_every_library(rng_changes_ok: None) -> None:
-    # Seeds that agree in their low 32 bits must still differ in NumPy (32-bit seeding limit).
+    # Seeds that agree in their low 32 bits still differ in Python and NumPy (given two words);
+    # torch's CPU generator keeps only the low 32 bits of any seed (torch.manual_seed's own
+    # behaviour, which seed_everything keeps: it seeds as torch.manual_seed does).
     torchrepro.seed_everything(5)
     a = _draws()
     torchrepro.seed_everything(5 + 2**32)
     b = _draws()
-    assert all(x != y for x, y in zip(a, b, strict=True))
+    assert a[0] != b[0] and a[1] != b[1]
+    assert a[2] == b[2]
+    torchrepro.seed_everything(6)
+    assert all(x != y for x, y in zip(a, _draws(), strict=True))
 
 
 def test_seed_none_draws_fresh_seed_and_returns_it(rng_changes_ok: None) -> None:

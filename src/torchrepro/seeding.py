@@ -154,16 +154,20 @@ class _Deriver:
         return seeds
 
 
-def _numpy_seed_words(seed: int) -> list[int]:
-    """Two 32-bit words: NumPy's legacy seeding takes uint32 arrays, not 64-bit ints."""
-    return [seed & 0xFFFFFFFF, seed >> 32]
+def _numpy_seed(seed: int) -> int | list[int]:
+    """NumPy's legacy seeding takes a 32-bit int (as ``np.random.seed(seed)`` in a user's script)
+    or an array of 32-bit words: a larger seed is given as its two words."""
+    return seed if seed < 2**32 else [seed & 0xFFFFFFFF, seed >> 32]
 
 
 def seed_everything(seed: int | None = None) -> int:
     """Seed Python ``random``, NumPy's global RNG (if installed), torch CPU and every device.
 
-    Each library is seeded with ``derive_seed(seed, <library>)``. ``None`` draws a fresh seed
-    from OS entropy. Returns the seed used, so it can be logged. RNG *objects* you created
+    Each global stream is seeded with the seed itself, as ``random.seed(seed)``,
+    ``np.random.seed(seed)`` and ``torch.manual_seed(seed)`` would (and Lightning's and
+    transformers' own seeding): a project that adopts torchrepro keeps the results it had.
+    Workers, ranks and samples get seeds derived from it (``derive_seed``). ``None`` draws a
+    fresh seed from OS entropy. Returns the seed used, so it can be logged. RNG *objects* you created
     (``torch.Generator``, ``numpy.random.Generator``) are not reached by global seeding: create
     them from ``derive_seed(seed, "name")``.
 
@@ -180,24 +184,23 @@ def seed_everything(seed: int | None = None) -> int:
 
 
 def seed_streams(seed: int, *, idle_cuda: bool) -> None:
-    """Seed Python ``random``, NumPy's global RNG and torch from ``derive_seed(seed, <library>)``.
+    """Seed Python ``random``, NumPy's global RNG and torch with ``seed`` itself.
 
     ``idle_cuda=True`` seeds every device like ``torch.manual_seed`` (queueing the seed for a CUDA
     not started yet); ``False`` seeds CUDA only when it has started (``fork_rng``: a block must
     not leave a seed queued for a CUDA it never used).
     """
-    random.seed(derive_seed(seed, "python"))
+    random.seed(seed)
     np = numpy_or_none()
     if np is not None:
-        np.random.seed(_numpy_seed_words(derive_seed(seed, "numpy")))
-    torch_seed = derive_seed(seed, "torch")
+        np.random.seed(_numpy_seed(seed))
     if idle_cuda:
         # torch.manual_seed seeds the CPU generator and every initialised or lazy device generator.
-        torch.manual_seed(torch_seed)
+        torch.manual_seed(seed)
         return
-    torch.default_generator.manual_seed(torch_seed)
+    torch.default_generator.manual_seed(seed)
     if cuda_started():
-        torch.cuda.manual_seed_all(torch_seed)
+        torch.cuda.manual_seed_all(seed)
 
 
 def current_seed() -> int | None:
