@@ -27,12 +27,20 @@ import torch
 from torchrepro.flags import DeterminismFlags
 
 
+# DeterminismFlags' fields that are environment variables: os.environ's check covers them.
+_VARIABLES = {
+    "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
+    "flash_attention_deterministic": "FLASH_ATTENTION_DETERMINISTIC",
+}
+
+
 def _flags() -> dict[str, Any]:
-    # DeterminismFlags.capture() reads every switch torchrepro owns (CUBLAS_WORKSPACE_CONFIG is
-    # checked with os.environ); the rest are switches tests may touch that it does not own.
+    # DeterminismFlags.capture() reads every switch torchrepro owns (the environment variables
+    # are checked with os.environ); the rest are switches tests may touch that it does not own.
     flags = DeterminismFlags.capture()
     switches = {f.name: getattr(flags, f.name) for f in dataclasses.fields(flags)}
-    del switches["cublas_workspace_config"]
+    for variable in _VARIABLES:
+        del switches[variable]
     return {
         **switches,
         "mkldnn.enabled": torch.backends.mkldnn.enabled,
@@ -42,7 +50,8 @@ def _flags() -> dict[str, Any]:
 
 def _restore_flags(f: dict[str, Any]) -> None:
     switches = {k: v for k, v in f.items() if k not in ("mkldnn.enabled", "num_threads")}
-    DeterminismFlags(**switches, cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG")).restore()
+    variables = {name: os.environ.get(env) for name, env in _VARIABLES.items()}
+    DeterminismFlags(**switches, **variables).restore()
     torch.backends.mkldnn.enabled = f["mkldnn.enabled"]
     torch.set_num_threads(f["num_threads"])
 

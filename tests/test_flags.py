@@ -18,7 +18,7 @@ import torch
 import torchrepro
 from torchrepro import DeterminismError, DeterminismFlags, ReproWarning, _runtime, set_determinism, status
 from torchrepro import errors as errors_module
-from torchrepro.flags import CUBLAS_VAR
+from torchrepro.flags import CUBLAS_VAR, FLASH_ATTENTION_VAR
 from torchrepro.seeding import current_seed
 
 B = torch.backends
@@ -28,6 +28,7 @@ B = torch.backends
 def saved(monkeypatch: pytest.MonkeyPatch) -> Iterator[DeterminismFlags]:
     """Start with CUBLAS_WORKSPACE_CONFIG unset; put every switch back afterwards."""
     monkeypatch.delenv(CUBLAS_VAR, raising=False)
+    monkeypatch.delenv(FLASH_ATTENTION_VAR, raising=False)
     monkeypatch.setattr(errors_module, "_warned", set())  # let warn_once warn again in this test
     before = DeterminismFlags.capture()
     yield before
@@ -44,6 +45,7 @@ STRICT = {
     "float32_matmul_precision": "highest",
     "fill_uninitialized_memory": True,
     "cublas_workspace_config": ":4096:8",
+    "flash_attention_deterministic": "1",
 }
 
 
@@ -72,9 +74,10 @@ def test_set_determinism_returns_the_previous_flags(saved: DeterminismFlags) -> 
     previous = set_determinism("strict")
     assert previous == before
     assert previous.cublas_workspace_config is None
+    assert os.environ[FLASH_ATTENTION_VAR] == "1"
     previous.restore()
     assert DeterminismFlags.capture() == before
-    assert CUBLAS_VAR not in os.environ
+    assert CUBLAS_VAR not in os.environ and FLASH_ATTENTION_VAR not in os.environ
 
 
 def test_off_is_pytorch_defaults(saved: DeterminismFlags) -> None:
@@ -86,8 +89,9 @@ def test_off_is_pytorch_defaults(saved: DeterminismFlags) -> None:
     messy()
     set_determinism("off")
     got = DeterminismFlags.capture().to_dict()
-    got.pop("cublas_workspace_config")  # off leaves the variable as it is
-    fresh.pop("cublas_workspace_config")
+    for variable in ("cublas_workspace_config", "flash_attention_deterministic"):
+        got.pop(variable)  # off leaves the variables as they are
+        fresh.pop(variable)
     assert got == fresh
     assert status().mode == "off"
 

@@ -45,6 +45,7 @@ else:
 __all__ = [
     "CUBLAS_CONFIGS",
     "CUBLAS_VAR",
+    "FLASH_ATTENTION_VAR",
     "MODES",
     "DeterminismFlags",
     "StatusItem",
@@ -61,6 +62,11 @@ MODES = ("strict", "warn", "off")
 CUBLAS_VAR = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_CONFIGS = (":4096:8", ":16:8")
 """The values of ``CUBLAS_WORKSPACE_CONFIG`` PyTorch accepts as deterministic."""
+
+FLASH_ATTENTION_VAR = "FLASH_ATTENTION_DETERMINISTIC"
+"""Read at each call by transformers' flash-attn integration: ``"1"`` makes the flash-attn
+package's backward deterministic (its default accumulates with atomics). PyTorch's own SDPA
+kernels follow ``use_deterministic_algorithms`` instead."""
 
 # Per-backend float32 precision switches of newer PyTorch (torch.backends.*.fp32_precision),
 # parents before children so that restoring in this order reproduces the captured tree.
@@ -144,6 +150,7 @@ class DeterminismFlags:
     fp32_precision: tuple[tuple[str, str], ...]
     fill_uninitialized_memory: bool
     cublas_workspace_config: str | None
+    flash_attention_deterministic: str | None = None
 
     @classmethod
     def capture(cls) -> DeterminismFlags:
@@ -159,10 +166,12 @@ class DeterminismFlags:
             fp32_precision=_read_fp32_tree(),
             fill_uninitialized_memory=_fill_uninitialized_memory(),
             cublas_workspace_config=os.environ.get(CUBLAS_VAR),
+            flash_attention_deterministic=os.environ.get(FLASH_ATTENTION_VAR),
         )
 
     def restore(self) -> None:
-        """Put every switch back as captured; unset ``CUBLAS_WORKSPACE_CONFIG`` if it was unset."""
+        """Put every switch back as captured; unset ``CUBLAS_WORKSPACE_CONFIG`` and
+        ``FLASH_ATTENTION_DETERMINISTIC`` if they were unset."""
         _use_deterministic_algorithms(self.deterministic_algorithms, warn_only=self.warn_only)
         torch.backends.cudnn.deterministic = self.cudnn_deterministic
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
@@ -180,6 +189,10 @@ class DeterminismFlags:
             os.environ.pop(CUBLAS_VAR, None)
         elif os.environ.get(CUBLAS_VAR) != self.cublas_workspace_config:
             os.environ[CUBLAS_VAR] = self.cublas_workspace_config
+        if self.flash_attention_deterministic is None:
+            os.environ.pop(FLASH_ATTENTION_VAR, None)
+        elif os.environ.get(FLASH_ATTENTION_VAR) != self.flash_attention_deterministic:
+            os.environ[FLASH_ATTENTION_VAR] = self.flash_attention_deterministic
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every switch (``fp32_precision`` as a ``{backend: value}`` dict)."""
@@ -233,8 +246,10 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
 
     ``"strict"``: deterministic algorithms (ops with no deterministic kernel raise), cuDNN
     deterministic, no cuDNN benchmarking, no TF32, float32 matmul precision ``"highest"``,
-    ``fill_uninitialized_memory`` on, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless a valid value
-    is already set. ``"warn"``: the same, warn-only. ``"off"``: PyTorch's defaults.
+    ``fill_uninitialized_memory`` on, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless a valid value
+    is already set, and ``FLASH_ATTENTION_DETERMINISTIC=1`` (the flash-attn package's backward,
+    through transformers). ``"warn"``: the same, warn-only. ``"off"``: PyTorch's defaults (both
+    variables left as they are).
 
     Raises ``DeterminismError`` in strict mode (warns in warn mode) when
     ``CUBLAS_WORKSPACE_CONFIG`` holds a value PyTorch does not accept, or is unset while CUDA has
@@ -270,6 +285,8 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
     _set_fill_uninitialized_memory(True)
     if set_cublas is not None:
         os.environ[CUBLAS_VAR] = set_cublas
+    if mode != "off":
+        os.environ[FLASH_ATTENTION_VAR] = "1"
     return previous
 
 

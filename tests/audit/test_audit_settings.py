@@ -15,7 +15,7 @@ from torchrepro.errors import TraceError
 from torchrepro.flags import DeterminismFlags
 
 # switches the probe does not record (they decide nothing the audit reports)
-_NOT_PROBED = {"fp32_precision", "fill_uninitialized_memory"}
+_NOT_PROBED = {"fp32_precision", "fill_uninitialized_memory", "flash_attention_deterministic"}
 
 
 def _snapshot(tmp_path: Path) -> dict[str, Any]:
