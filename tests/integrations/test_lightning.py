@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+import torchrepro
 from helpers import free_port, user_env
 
 SCRIPTS = Path(__file__).resolve().parent / "lightning_scripts"
@@ -370,3 +371,73 @@ def test_check_names_the_scripts_loader_line_and_the_parameter_paths_under_light
     events = (tmp_path / ".torchrepro" / "checks").glob("*/run0/events.rank0.jsonl")
     init = json.loads(next(events).read_text().splitlines()[0])
     assert [t["n"] for t in init["t"]] == [f"param:net.{i}.{p}" for i in (0, 3) for p in ("weight", "bias")]
+
+
+class _Tiny(__import__("lightning").pytorch.LightningModule):  # type: ignore[misc]
+    def __init__(self, loaders: Any) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(2, 1)
+        self.loaders = loaders
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        first = next(iter(batch.values())) if isinstance(batch, dict) else batch
+        return self.net(first[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> Any:
+        return self.loaders
+
+
+def _fit_warnings(tmp_path: Path, loaders: Any) -> list[str]:
+    """The ReproWarnings of a real in-process fit of 2 steps with TorchreproCallback."""
+    import warnings
+
+    import lightning.pytorch as pl
+
+    from torchrepro import errors
+    from torchrepro.flags import DeterminismFlags
+    from torchrepro.integrations.lightning import TorchreproCallback
+    from torchrepro.rng import RngState
+
+    flags, rng, warned = DeterminismFlags.capture(), RngState.capture(), set(errors._warned)
+    errors._warned.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                max_steps=2,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=tmp_path,
+                callbacks=[TorchreproCallback(seed=0)],
+            )
+            trainer.fit(_Tiny(loaders))
+    finally:
+        flags.restore()
+        rng.restore()
+        errors._warned.clear()
+        errors._warned.update(warned)
+    return [str(w.message) for w in caught if issubclass(w.category, torchrepro.ReproWarning)]
+
+
+def test_a_plain_train_dataloader_is_named_once_at_fit_start(tmp_path: Path, rng_changes_ok: None) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(8, 2))
+    plain = _fit_warnings(tmp_path, DataLoader(data, batch_size=2, shuffle=True))
+    assert len(plain) == 1
+    assert "train_dataloader(): DataLoader over TensorDataset" in plain[0]
+    assert "torchrepro.SeededLoader" in plain[0]
+    several = _fit_warnings(
+        tmp_path,
+        {"a": torchrepro.SeededLoader(data, batch_size=2, seed=0), "b": DataLoader(data, batch_size=2)},
+    )
+    assert len(several) == 1 and "train_dataloader()['b']: DataLoader" in several[0]
+    assert "['a']" not in several[0]
+    # a SeededLoader resumes exactly: nothing to say
+    assert _fit_warnings(tmp_path, torchrepro.SeededLoader(data, batch_size=2, seed=0)) == []

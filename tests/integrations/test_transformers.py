@@ -7,11 +7,13 @@ from scratch (saving checkpoints every 4 steps), one resuming from those checkpo
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 from subprocess import PIPE
+from typing import Any
 
 import pytest
 import torch
@@ -194,3 +196,60 @@ def test_two_processes_each_get_their_shard_and_resume_exactly(tmp_path: Path) -
         got = torch.load(tmp_path / "full" / f"batches.rank{rank}.pt", weights_only=True)
         assert _same_batches(got, _shard(rank, 2))
     assert _differing(_weights(tmp_path, "full"), _weights(tmp_path, "resumed")) == []
+
+
+class _Regression(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.linear(x).squeeze(-1)
+        return {"loss": (out - labels).pow(2).mean(), "logits": out}
+
+
+def _train_warnings(tmp_path: Path, mode: str | None, **arguments: Any) -> list[str]:
+    """The ReproWarnings of a real in-process TorchreproTrainer.train() of 2 steps."""
+    import warnings
+
+    import transformers
+
+    from torchrepro import errors
+    from torchrepro.flags import DeterminismFlags
+    from torchrepro.integrations.transformers import TorchreproTrainer
+
+    flags, env, warned = DeterminismFlags.capture(), dict(os.environ), set(errors._warned)
+    errors._warned.clear()
+    try:
+        if mode is not None:
+            torchrepro.set_determinism(mode)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            report_to="none",
+            disable_tqdm=True,
+            use_cpu=True,
+            save_strategy="no",
+            **arguments,
+        )
+        data = [{"x": torch.full((2,), float(i)), "labels": torch.tensor(1.0)} for i in range(8)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            TorchreproTrainer(model=_Regression(), args=args, train_dataset=data).train()
+    finally:
+        flags.restore()
+        os.environ.clear()
+        os.environ.update(env)
+        errors._warned.clear()
+        errors._warned.update(warned)
+    return [str(w.message) for w in caught if issubclass(w.category, torchrepro.ReproWarning)]
+
+
+def test_training_with_the_switches_off_names_them_once(tmp_path: Path, rng_changes_ok: None) -> None:
+    [message] = _train_warnings(tmp_path, "off")
+    assert "short of strict mode (deterministic_algorithms, cudnn.deterministic" in message
+    assert "torchrepro.set_determinism('strict')" in message and "`torchrepro run`" in message
+    assert _train_warnings(tmp_path, "strict") == []
+    # the Trainer's own switch sets them too: nothing to say
+    assert _train_warnings(tmp_path, None, full_determinism=True) == []

@@ -18,6 +18,9 @@ Invariants:
   them (after the sanity check, as they were before it). So a
   checkpoint written right before a validation pass (``every_n_train_steps`` at an epoch's end)
   resumes like any other, and adding validation does not shift training.
+- At the start of ``fit``, a train loader that is a plain ``torch.utils.data.DataLoader`` (not a
+  ``SeededLoader``) is named in one ``ReproWarning`` per process: Lightning cannot put such a
+  loader back mid-epoch, so a resume from a mid-epoch checkpoint trains other batches.
 """
 
 from __future__ import annotations
@@ -96,6 +99,28 @@ def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
     return gathered
 
 
+def _plain_loaders(loaders: Any) -> list[str]:
+    """The plain ``DataLoader`` objects among the train loaders (one, or a list/dict of them)."""
+    from torch.utils.data import DataLoader
+
+    from torchrepro.data import SeededLoader
+
+    found: list[str] = []
+
+    def visit(obj: Any, where: str) -> None:
+        if isinstance(obj, Mapping):
+            for key, value in obj.items():
+                visit(value, f"{where}[{key!r}]")
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                visit(value, f"{where}[{i}]")
+        elif isinstance(obj, DataLoader) and not isinstance(obj, SeededLoader):
+            found.append(f"{where}: {type(obj).__name__} over {type(obj.dataset).__name__}")
+
+    visit(loaders, "train_dataloader()")
+    return found
+
+
 class TorchreproCallback(Callback):
     """Seed and set the determinism switches on every rank; save and restore every rank's RNG state.
 
@@ -118,7 +143,8 @@ class TorchreproCallback(Callback):
       resume exactly too, and adding validation does not shift training.
 
     Batches resume exactly when ``train_dataloader()`` returns a ``torchrepro.SeededLoader``
-    (Lightning saves its position; its batches never move the global streams). Randomness drawn
+    (Lightning saves its position; its batches never move the global streams); a plain
+    ``DataLoader`` is named in a ``ReproWarning`` at the start of ``fit``. Randomness drawn
     in hooks between a checkpoint and the next training step (``on_train_batch_end`` after the
     save, ``on_train_epoch_start``) is not drawn again by the resumed run.
     """
@@ -225,7 +251,19 @@ class TorchreproCallback(Callback):
     # -- resume ------------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Warn when resuming from a checkpoint that holds no RNG states."""
+        """Warn about plain train loaders, and when resuming from a checkpoint without RNG states."""
+        plain = _plain_loaders(trainer.train_dataloader)
+        if plain:
+            warn_once(
+                "lightning-plain-loader",
+                f"The train loader is a plain torch DataLoader ({', '.join(plain)}): Lightning cannot "
+                "put it back at the batch a mid-epoch checkpoint was saved at, so a resume from one "
+                "trains other batches than the uninterrupted run (and with shuffling or workers, "
+                "its order depends on the global RNG). Return a torchrepro.SeededLoader from "
+                "train_dataloader() (same arguments) to resume exactly.",
+                ReproWarning,
+                stacklevel=3,
+            )
         if trainer.ckpt_path is not None and not self._loaded:
             warn_once(
                 "lightning-no-rng-state",

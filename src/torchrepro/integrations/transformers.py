@@ -14,7 +14,10 @@ Invariants:
 - The mixin overrides ``__init__`` and ``get_train_dataloader`` only, with cooperative ``super()``
   calls, so it composes with ``Trainer`` subclasses placed after it.
 - It does not change the determinism switches: they are process-wide and, on CUDA, must be set
-  before the process starts CUDA (``torchrepro.set_determinism`` or ``torchrepro run``).
+  before the process starts CUDA (``torchrepro.set_determinism`` or ``torchrepro run``), and the
+  Trainer has placed the model on its device before training starts. When training starts with
+  switches short of strict mode (and ``TrainingArguments(full_determinism=True)`` not given), one
+  ``ReproWarning`` per process names them and the fix.
 - Importing this module imports ``transformers`` and ``accelerate``; ``import torchrepro`` never does.
 """
 
@@ -64,6 +67,7 @@ class _SeededEpochs(transformers.TrainerCallback):
         self._next_epoch = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _warn_unless_deterministic(args)
         loader = kwargs.get("train_dataloader")
         accumulation = max(int(args.gradient_accumulation_steps), 1)
         per_epoch = max(math.ceil(len(loader) / accumulation), 1) if loader is not None else 1
@@ -74,6 +78,30 @@ class _SeededEpochs(transformers.TrainerCallback):
         if loader is not None:
             loader.set_epoch(self._next_epoch)
         self._next_epoch += 1
+
+
+def _warn_unless_deterministic(args: Any) -> None:
+    """Name the determinism switches that fall short of strict mode, once per process."""
+    from torchrepro.errors import ReproWarning, warn_once
+    from torchrepro.flags import status
+
+    if getattr(args, "full_determinism", False):
+        return  # the Trainer's own enable_full_determinism set them
+    short = [item for item in status().shortfalls if not item.process_start]
+    if not short:
+        return
+    names = ", ".join(item.name for item in short)
+    warn_once(
+        "transformers-switches",
+        f"TorchreproTrainer trains with determinism switches short of strict mode ({names}): the "
+        "train loader is seeded, but on CUDA the kernels may still differ from run to run. "
+        "TorchreproTrainer does not set them itself: they are process-wide, and cuBLAS reads "
+        "CUBLAS_WORKSPACE_CONFIG once, when CUDA starts (the Trainer has already placed the model). "
+        "Call torchrepro.set_determinism('strict') at the top of the script, or start it with "
+        "`torchrepro run`.",
+        ReproWarning,
+        stacklevel=2,
+    )
 
 
 class TorchreproTrainerMixin(_TrainerBase):
