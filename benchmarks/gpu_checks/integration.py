@@ -1,0 +1,728 @@
+"""Section ``integration``: the library's parts on a GPU, end to end (item 5 of the GPU issue).
+
+Rows (``check`` names; ``cuda`` in a name is the claim, the row's ``data["device"]`` says where it
+ran):
+
+- ``seeded_loader_pin_memory``: a ``SeededLoader`` with ``num_workers=2`` and ``pin_memory=True``
+  over a dataset that draws from Python's, NumPy's and torch's global RNGs yields pinned batches
+  that, after ``.to(device, non_blocking=True)``, are bitwise those of ``num_workers=0`` without
+  pinning, for two epochs, and again from a new loader with the same seed.
+  ``plain_loader_workers`` (info, the negative control): a plain ``DataLoader`` over the same
+  dataset gives other batches with 2 workers than with none.
+- ``rng_state_cuda``: ``RngState`` captures and restores the CUDA generator (``rand``, dropout,
+  ``randn``, and a ``torch.Generator`` on the device passed by name), also through
+  ``torch.save`` + ``torch.load(weights_only=True)``; without the restore the draws differ.
+  ``fork_rng_cuda``: ``fork_rng`` leaves the streams as if the block had not run, and
+  ``fork_rng(5)`` starts two blocks from the same streams (``fork_rng(6)`` does not).
+- ``checkpoint_resume_cuda``: process A trains a model with dropout on the device, saves at step
+  k and trains on to N; process B loads step k and trains on to N: the same parameter bits.
+  The negative control (``restore_rng=False``) differs; the file loads with
+  ``torch.load(weights_only=True)`` and holds the CUDA generator's state.
+- ``checkpoint_cuda_test``: the ``requires_cuda`` checkpoint test of the suite runs and passes.
+- ``check_reproducible``: ``python -m torchrepro check --json`` on a small training script (a
+  ``SeededLoader`` with workers and pinning, dropout) exits 0, reproducible.
+- ``check_divergence``: the same script with noise drawn from a device generator seeded from the
+  clock at step 2: exit 1, the first divergence at step 2 naming the differing tensor.
+- ``locate_cuda_op``: that divergence is located at the draw (op, module, ``train.py:<line>``).
+- ``run_record_compare``: two ``python -m torchrepro run --record`` runs of the good script and
+  ``compare --json``: equal.
+- ``run_record_env_gpu``: the run record's ``env.json`` names the GPU (as torch names it), the
+  driver, CUDA and cuDNN versions.
+- ``invariant_data_parallel``: skipped until ``torchrepro.InvariantDataParallel`` exists.
+
+Invariants:
+- Everything runs in fresh child processes (``common.run_python`` or ``python -m torchrepro``):
+  ``run`` imports no torch and changes nothing in its own process (environment, RNG, switches).
+- Every child has at most ``CHILD_TIMEOUT`` seconds; a child that fails or times out makes its
+  rows ``error`` with the tail of its output, never ``pass``.
+- With ``ctx.device == "cpu"`` every check runs its CPU equivalent (the same code on the CPU:
+  no pinning, the CPU generator); a row whose claim only exists on CUDA is ``skip`` and its
+  detail names CUDA.
+- A claim passes only when its negative control shows the check could have failed (the draws
+  really are random, the streams really moved, the clock-seeded run really parts).
+- The checks run side by side in a small thread pool (each waits on its own children); the rows
+  come back in the order of ``CHECKS``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gpu_checks.common import ROOT, ChildResult, Context, Row, child_env, run_python
+
+NAME = "integration"
+
+CHILD_TIMEOUT = 120.0
+"""Seconds any one child process (a script, a ``torchrepro`` command, pytest) may take."""
+
+CUDA_CHECKPOINT_TEST = "tests/checkpoint/test_checkpoint.py::test_cuda_model_and_rng_round_trip"
+
+NOISE_MARKER = "# noise draw"
+"""Ends the line of ``TRAIN_SCRIPT`` whose op the locate must name."""
+
+
+def _row(check: str, status: str, detail: str, **data: Any) -> Row:
+    return Row(section=NAME, check=check, status=status, detail=detail, data=data)
+
+
+def _code(body: str, **params: Any) -> str:
+    """A child script: ``params`` (plain values) as the dict ``P``, then ``body``.
+
+    Different parameters make a different script, so ``run_python`` gives each its own file.
+    """
+    return f"P = {params!r}\n{body}"
+
+
+def _child_failed(check: str, res: ChildResult) -> Row | None:
+    if res.returncode == 0 and isinstance(res.result, dict):
+        return None
+    return _row(check, "error", f"child exited {res.returncode}: {res.tail()}")
+
+
+def _steps(ctx: Context) -> int:
+    return 4 if ctx.quick else 6
+
+
+# --------------------------------------------------------------------------------------------
+# 1. SeededLoader: workers + pin_memory + non_blocking copies equal the plain main-process load
+
+LOADER_CHILD = """
+import json
+import random
+import warnings
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import torchrepro
+
+
+class Augmented(Dataset):
+    \"\"\"Sample i: [i, one draw from Python's, NumPy's and torch's global RNG each].\"\"\"
+
+    def __len__(self):
+        return P["samples"]
+
+    def __getitem__(self, index):
+        draws = [random.random(), float(np.random.rand()), *torch.rand(3).tolist()]
+        return torch.tensor([float(index), *draws], dtype=torch.float64)
+
+
+def load(loader, device, epochs, pinned):
+    out = []
+    for epoch in range(epochs):
+        if epochs > 1:
+            loader.set_epoch(epoch)
+        for batch in loader:
+            if device.type == "cuda":
+                pinned.append(batch.is_pinned())
+            out.append(batch.to(device, non_blocking=True))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out
+
+
+def same(a, b):
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def plain(dataset, device, workers):
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    loader = DataLoader(dataset, batch_size=P["batch"], num_workers=workers)
+    return load(loader, device, 1, [])
+
+
+def main():
+    # On a machine without an accelerator pin_memory=True is a no-op that warns.
+    warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true")
+    device = torch.device(P["device"])
+    dataset = Augmented()
+    kwargs = dict(batch_size=P["batch"], seed=3)
+    pinned = []
+    pinning = dict(num_workers=2, pin_memory=True)
+    workers = load(torchrepro.SeededLoader(dataset, **pinning, **kwargs), device, 2, pinned)
+    main_process = load(torchrepro.SeededLoader(dataset, num_workers=0, **kwargs), device, 2, [])
+    again = load(torchrepro.SeededLoader(dataset, **pinning, **kwargs), device, 2, [])
+    half = len(workers) // 2
+    print(json.dumps({
+        "batches": len(workers),
+        "on_device": all(b.device.type == device.type for b in workers),
+        "pinned": len(pinned) > 0 and all(pinned) if device.type == "cuda" else None,
+        "equal_workers_vs_main": same(workers, main_process),
+        "equal_two_passes": same(workers, again),
+        "epochs_differ": not same(workers[:half], workers[half:]),
+        "plain_differs": not same(plain(dataset, device, 0), plain(dataset, device, 2)),
+    }))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def check_loader(ctx: Context) -> list[Row]:
+    check = "seeded_loader_pin_memory"
+    res = run_python(
+        _code(LOADER_CHILD, device=ctx.device, samples=24 if ctx.quick else 64, batch=4),
+        cwd=ctx.workdir,
+        timeout=CHILD_TIMEOUT,
+    )
+    failed = _child_failed(check, res)
+    if failed:
+        return [failed]
+    r = dict(res.result)
+    r["device"] = ctx.device
+    ok = r["equal_workers_vs_main"] and r["equal_two_passes"] and r["epochs_differ"] and r["on_device"]
+    if ctx.cuda:
+        ok = ok and r["pinned"] is True
+        where = "pinned batches (is_pinned) copied with non_blocking=True"
+    else:
+        where = "CPU equivalent: the batches stay on the CPU, is_pinned not checked"
+    detail = (
+        f"SeededLoader num_workers=2 pin_memory=True vs num_workers=0, 2 epochs, {r['batches']} batches: "
+        f"equal {r['equal_workers_vs_main']}, a second loader equal {r['equal_two_passes']}, "
+        f"epochs differ {r['epochs_differ']}; {where}"
+    )
+    control = "plain DataLoader, same random dataset and seed: num_workers=0 vs 2 " + (
+        "differ (as expected)" if r["plain_differs"] else "are EQUAL: the dataset's draws did not count"
+    )
+    return [
+        _row(check, "pass" if ok else "fail", detail, **r),
+        _row("plain_loader_workers", "info", control, device=ctx.device, differs=r["plain_differs"]),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. RngState and fork_rng: the CUDA generator (global and a device Generator object)
+
+RNG_CHILD = """
+import io
+import json
+
+import torch
+import torch.nn.functional as F
+
+from torchrepro import RngState, fork_rng
+
+
+def main():
+    device = torch.device(P["device"])
+    torch.manual_seed(0)
+    torch.rand(1, device=device)  # start CUDA first: RngState captures the devices already started
+    gen = torch.Generator(device=device).manual_seed(1)
+    named = {"noise": gen}
+
+    def draws():
+        return [
+            torch.rand(64, device=device),
+            F.dropout(torch.ones(256, device=device), 0.5, training=True),
+            torch.randn(64, device=device),
+            torch.randn(64, device=device, generator=gen),
+        ]
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    state = RngState.capture(generators=named)
+    first = draws()
+    state.restore(generators=named)
+    restored = same(first, draws())
+    unrestored_differs = not same(first, draws())  # the streams moved on
+    buffer = io.BytesIO()
+    torch.save(state.to_dict(), buffer)
+    buffer.seek(0)
+    RngState.from_dict(torch.load(buffer, weights_only=True)).restore(generators=named)
+    saved_loaded = same(first, draws())
+
+    before = RngState.capture(generators=named)
+    with fork_rng(generators=named):
+        draws()
+    after_block = draws()
+    before.restore(generators=named)
+    without_block = draws()
+    before.restore(generators=named)
+    draws()  # the same block without fork_rng: it moves the streams
+    after_unforked = draws()
+    with fork_rng(5):
+        seeded_a = draws()[:3]
+    with fork_rng(5):
+        seeded_b = draws()[:3]
+    with fork_rng(6):
+        seeded_c = draws()[:3]
+    print(json.dumps({
+        "cuda_devices_captured": sorted(state.cuda),
+        "restored_equal": restored,
+        "unrestored_differs": unrestored_differs,
+        "saved_loaded_equal": saved_loaded,
+        "fork_block_isolated": same(after_block, without_block),
+        "unforked_block_moves": not same(after_unforked, without_block),
+        "fork_seed_equal": same(seeded_a, seeded_b),
+        "fork_other_seed_differs": not same(seeded_a, seeded_c),
+    }))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+FORK_KEYS = (
+    "device",
+    "fork_block_isolated",
+    "unforked_block_moves",
+    "fork_seed_equal",
+    "fork_other_seed_differs",
+)
+
+
+def check_rng(ctx: Context) -> list[Row]:
+    res = run_python(_code(RNG_CHILD, device=ctx.device), cwd=ctx.workdir, timeout=CHILD_TIMEOUT)
+    failed = _child_failed("rng_state_cuda", res)
+    if failed:
+        return [failed, _row("fork_rng_cuda", "error", "see rng_state_cuda: the child failed")]
+    r = dict(res.result)
+    r["device"] = ctx.device
+    captured = r["cuda_devices_captured"]
+    devices_ok = 0 in captured if ctx.cuda else captured == []
+    state_ok = r["restored_equal"] and r["saved_loaded_equal"] and r["unrestored_differs"] and devices_ok
+    what = "torch.rand, dropout, randn and a torch.Generator on the device"
+    state_detail = (
+        f"{what} ({ctx.device}): restored equal {r['restored_equal']}, via torch.save/"
+        f"load(weights_only=True) equal {r['saved_loaded_equal']}, without restore differ "
+        f"{r['unrestored_differs']}; CUDA devices captured {captured}"
+    )
+    fork_ok = (
+        r["fork_block_isolated"]
+        and r["unforked_block_moves"]
+        and r["fork_seed_equal"]
+        and r["fork_other_seed_differs"]
+    )
+    fork_detail = (
+        f"fork_rng ({ctx.device}): streams after the block as without it {r['fork_block_isolated']} "
+        f"(without fork_rng they move: {r['unforked_block_moves']}); fork_rng(5) twice equal "
+        f"{r['fork_seed_equal']}, fork_rng(6) differs {r['fork_other_seed_differs']}"
+    )
+    return [
+        _row("rng_state_cuda", "pass" if state_ok else "fail", state_detail, **r),
+        _row("fork_rng_cuda", "pass" if fork_ok else "fail", fork_detail, **{k: r[k] for k in FORK_KEYS}),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Checkpoints: resume in a fresh process restores the CUDA generator
+
+CHECKPOINT_CHILD = """
+import json
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchrepro
+
+
+def main():
+    device = torch.device(P["device"])
+    torchrepro.seed_everything(0)
+    torchrepro.set_determinism("strict")
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start, found = 0, {}
+    if P["mode"] != "full":
+        torch.manual_seed(1234)  # other streams (CPU and every CUDA device) unless the load restores them
+        restore_rng = P["mode"] == "resume"
+        values = torchrepro.load_checkpoint(P["path"], model=model, optimizer=opt, restore_rng=restore_rng)
+        start = values["step"]
+        raw = torch.load(P["path"], weights_only=True)
+        found = {"weights_only_keys": sorted(raw), "cuda_rng_devices": sorted(raw["rng"]["state"]["cuda"])}
+    for step in range(start, P["steps"]):
+        x = torch.randn(32, 16, device=device)  # data, dropout masks: all from the device's generator
+        y = torch.randint(0, 4, (32,), device=device)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if P["mode"] == "full" and step + 1 == P["save_at"]:
+            torchrepro.save_checkpoint(P["path"], model=model, optimizer=opt, step=step + 1)
+    print(json.dumps({"fingerprint": torchrepro.fingerprint(model), "start": start, **found}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def check_checkpoint(ctx: Context) -> list[Row]:
+    check = "checkpoint_resume_cuda"
+    folder = ctx.workdir / "checkpoint"
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = _steps(ctx)
+    params = {"device": ctx.device, "path": str(folder / "step.pt"), "steps": steps, "save_at": steps // 2}
+    out: dict[str, dict[str, Any]] = {}
+    for mode in ("full", "resume", "no_rng"):  # A saves the file that B and C load
+        res = run_python(_code(CHECKPOINT_CHILD, mode=mode, **params), cwd=ctx.workdir, timeout=CHILD_TIMEOUT)
+        failed = _child_failed(check, res)
+        if failed:
+            failed.detail = f"process {mode!r}: {failed.detail}"
+            return [failed]
+        out[mode] = res.result
+    resume, no_rng = out["resume"], out["no_rng"]
+    resumed_equal = resume["fingerprint"] == out["full"]["fingerprint"]
+    control_differs = no_rng["fingerprint"] != out["full"]["fingerprint"]
+    cuda_rng = resume["cuda_rng_devices"]
+    cuda_ok = "0" in cuda_rng if ctx.cuda else cuda_rng == []
+    ok = resumed_equal and control_differs and cuda_ok and resume["start"] == params["save_at"]
+    detail = (
+        f"A trains {steps} steps ({ctx.device}, dropout) saving at {params['save_at']}; B loads it in a "
+        f"new process and trains on: equal {resumed_equal}; restore_rng=False differs {control_differs}; "
+        f"torch.load(weights_only=True) reads it; CUDA generator states in the file: {cuda_rng}"
+    )
+    data = {
+        "device": ctx.device,
+        "steps": steps,
+        "save_at": params["save_at"],
+        "fingerprints": {mode: r["fingerprint"] for mode, r in out.items()},
+        "resumed_equal": resumed_equal,
+        "no_rng_differs": control_differs,
+        "weights_only_keys": resume["weights_only_keys"],
+        "cuda_rng_devices": cuda_rng,
+    }
+    return [_row(check, "pass" if ok else "fail", detail, **data)]
+
+
+def check_checkpoint_test(ctx: Context) -> list[Row]:
+    check = "checkpoint_cuda_test"
+    if not ctx.cuda:
+        return [_row(check, "skip", f"needs CUDA: {CUDA_CHECKPOINT_TEST} is marked requires_cuda")]
+    if importlib.util.find_spec("pytest") is None:
+        return [_row(check, "skip", "pytest is not installed on this machine")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore::pytest.PytestConfigWarning",  # e.g. pytest-timeout's ini key without the plugin
+        "--require-cuda",
+        "-q",
+        CUDA_CHECKPOINT_TEST,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=CHILD_TIMEOUT
+    )
+    lines = proc.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    passed = proc.returncode == 0 and "1 passed" in summary
+    detail = f"pytest --require-cuda {CUDA_CHECKPOINT_TEST}: {summary or 'no output'}"
+    if not passed:
+        detail += f" (exit {proc.returncode}): {(proc.stdout + proc.stderr).strip()[-600:]}"
+    return [_row(check, "pass" if passed else "fail", detail, returncode=proc.returncode, summary=summary)]
+
+
+# --------------------------------------------------------------------------------------------
+# 4-6. The command line on a training script: check, check of a broken variant and its locate,
+# run --record twice and compare
+
+TRAIN_SCRIPT = f'''"""A small training run for the integration checks: a SeededLoader with two
+workers (pinned on CUDA), an MLP with dropout, SGD with momentum. --broken adds noise from a
+device generator seeded from the clock at step 2, so two runs part there, at the draw."""
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+import torchrepro
+
+
+class Samples(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return torch.randn(16) + float(torchrepro.sample_rng().normal()), index % 4
+
+
+class Noise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gen = None  # set at step 2 by --broken
+
+    def forward(self, h):
+        if self.gen is None:
+            return h
+        return h + 0.1 * torch.randn(h.shape, device=h.device, generator=self.gen)  {NOISE_MARKER}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.noise = Noise()
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.drop(self.noise(torch.relu(self.fc1(x)))))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--broken", action="store_true")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = torchrepro.SeededLoader(Samples(), batch_size=8, num_workers=2, pin_memory=device.type == "cuda")
+    for step, (x, y) in zip(range(args.steps), loader):
+        if args.broken and step == 2:
+            model.noise.gen = torch.Generator(device=device).manual_seed(time.time_ns())
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _noise_line() -> int:
+    return next(n for n, line in enumerate(TRAIN_SCRIPT.splitlines(), 1) if line.endswith(NOISE_MARKER))
+
+
+def _script_dir(ctx: Context, name: str) -> Path:
+    folder = ctx.workdir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.py").write_text(TRAIN_SCRIPT, encoding="utf-8")
+    return folder
+
+
+def _torchrepro(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torchrepro", *args],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT,
+    )
+
+
+def _verdict(proc: subprocess.CompletedProcess[str]) -> dict[str, Any] | None:
+    lines = proc.stdout.strip().splitlines()
+    try:
+        verdict = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+    return verdict if isinstance(verdict, dict) else None
+
+
+def _failed_command(check: str, what: str, proc: subprocess.CompletedProcess[str]) -> Row:
+    tail = (proc.stderr.strip() or proc.stdout.strip())[-600:]
+    return _row(check, "error", f"{what} exited {proc.returncode} without a JSON verdict: {tail}")
+
+
+def _script_args(ctx: Context, *extra: str) -> list[str]:
+    return ["train.py", "--device", ctx.device, "--steps", str(_steps(ctx)), *extra]
+
+
+def check_reproducible(ctx: Context) -> list[Row]:
+    check = "check_reproducible"
+    proc = _torchrepro(_script_dir(ctx, "check_good"), "check", "--json", *_script_args(ctx))
+    verdict = _verdict(proc)
+    if verdict is None:
+        return [_failed_command(check, "torchrepro check", proc)]
+    kinds = verdict.get("coverage", {}).get("per_kind", {})
+    ok = (
+        proc.returncode == 0
+        and verdict.get("reproducible") is True
+        and kinds.get("compute", 0) >= _steps(ctx)
+    )
+    detail = (
+        f"python -m torchrepro check --json train.py --device {ctx.device}: exit {proc.returncode}, "
+        f"reproducible {verdict.get('reproducible')}, {verdict.get('steps_compared')} steps compared, "
+        f"events {kinds}"
+    )
+    data = {
+        "device": ctx.device,
+        "returncode": proc.returncode,
+        **{k: verdict.get(k) for k in ("reproducible", "steps_compared", "coverage", "notes")},
+    }
+    return [_row(check, "pass" if ok else "fail", detail, **data)]
+
+
+def check_broken(ctx: Context) -> list[Row]:
+    proc = _torchrepro(_script_dir(ctx, "check_broken"), "check", "--json", *_script_args(ctx, "--broken"))
+    verdict = _verdict(proc)
+    if verdict is None:
+        failed = _failed_command("check_divergence", "torchrepro check (broken script)", proc)
+        return [failed, _row("locate_cuda_op", "error", "see check_divergence: the check failed")]
+    first = verdict.get("first_divergence") or {}
+    base = {"device": ctx.device, "returncode": proc.returncode, "first_divergence": first}
+    parted = (
+        proc.returncode == 1
+        and verdict.get("reproducible") is False
+        and (first.get("step"), first.get("kind")) == (2, "compute")
+        and bool(first.get("name"))
+    )
+    divergence = _row(
+        "check_divergence",
+        "pass" if parted else "fail",
+        f"noise from a clock-seeded {ctx.device} generator at step 2: exit {proc.returncode}, first "
+        f"divergence step {first.get('step')} ({first.get('kind')}), tensor {first.get('name')}",
+        **base,
+    )
+    expected = f"train.py:{_noise_line()}"
+    op = first.get("op") or ""
+    located = parted and ("randn" in op or "normal" in op) and first.get("module") == "noise"
+    located = located and first.get("location") == expected
+    locate = _row(
+        "locate_cuda_op",
+        "pass" if located else "fail",
+        f"located at op {first.get('op')}, module {first.get('module')}, {first.get('location')} "
+        f"(expected a randn op in module noise at {expected})",
+        **base,
+        expected_location=expected,
+        notes=verdict.get("notes"),
+    )
+    return [divergence, locate]
+
+
+ENV_KEYS = ("gpus", "gpu_driver", "cuda_version", "cudnn_version", "nccl_version", "cuda_initialized")
+
+DEVICE_NAMES_CHILD = """
+import json
+
+import torch
+
+print(json.dumps({"names": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}))
+"""
+
+
+def check_run_record(ctx: Context) -> list[Row]:
+    folder = _script_dir(ctx, "run_record")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two runs side by side
+        records = [
+            pool.submit(_torchrepro, folder, "run", "--record", rec, *_script_args(ctx)) for rec in "ab"
+        ]
+        runs = [record.result() for record in records]
+    bad = next((p for p in runs if p.returncode != 0), None)
+    if bad is not None:
+        tail = (bad.stderr.strip() or bad.stdout.strip())[-600:]
+        return [
+            _row("run_record_compare", "error", f"torchrepro run --record exited {bad.returncode}: {tail}"),
+            _row("run_record_env_gpu", "error", "see run_record_compare: a run failed"),
+        ]
+    proc = _torchrepro(folder, "compare", "--json", "a", "b")
+    verdict = _verdict(proc)
+    if verdict is None:
+        compare = _failed_command("run_record_compare", "torchrepro compare", proc)
+    else:
+        equal = proc.returncode == 0 and verdict.get("reproducible") is True
+        compare = _row(
+            "run_record_compare",
+            "pass" if equal else "fail",
+            f"run --record a, run --record b ({ctx.device}), compare --json a b: exit {proc.returncode}, "
+            f"reproducible {verdict.get('reproducible')}, {verdict.get('steps_compared')} steps compared",
+            device=ctx.device,
+            returncode=proc.returncode,
+            **{k: verdict.get(k) for k in ("reproducible", "steps_compared", "first_divergence", "notes")},
+        )
+    return [compare, _env_row(ctx, folder / "a" / "env.json")]
+
+
+def _env_row(ctx: Context, path: Path) -> Row:
+    check = "run_record_env_gpu"
+    env = json.loads(path.read_text(encoding="utf-8"))
+    held = {k: env.get(k) for k in ENV_KEYS}
+    if not ctx.cuda:
+        return _row(check, "skip", "needs CUDA: a CPU run's environment has no GPU to name", env=held)
+    res = run_python(DEVICE_NAMES_CHILD, cwd=ctx.workdir, timeout=CHILD_TIMEOUT)
+    failed = _child_failed(check, res)
+    if failed:
+        return failed
+    torch_names: list[str] = res.result["names"]
+    recorded = [g.get("name") or "" for g in env.get("gpus") or []]
+    # nvidia-smi and torch may word a name differently (a MIG slice): one must begin the other
+    names_match = bool(recorded) and len(recorded) == len(torch_names)
+    names_match = names_match and all(
+        a and (a.startswith(b) or b.startswith(a)) for a, b in zip(recorded, torch_names, strict=True)
+    )
+    missing = [k for k in ("gpu_driver", "cuda_version", "cudnn_version") if not env.get(k)]
+    ok = names_match and not missing
+    detail = f"env.json names GPUs {recorded} (torch: {torch_names}), driver {env.get('gpu_driver')}, "
+    detail += f"CUDA {env.get('cuda_version')}, cuDNN {env.get('cudnn_version')}"
+    if missing:
+        detail += f"; missing: {missing}"
+    return _row(check, "pass" if ok else "fail", detail, env=held, torch_names=torch_names)
+
+
+# --------------------------------------------------------------------------------------------
+# 7. InvariantDataParallel (issue 22)
+
+HAS_IDP_CHILD = """
+import json
+
+import torchrepro
+
+print(json.dumps({"present": hasattr(torchrepro, "InvariantDataParallel")}))
+"""
+
+
+def check_invariant_data_parallel(ctx: Context) -> list[Row]:
+    check = "invariant_data_parallel"
+    res = run_python(HAS_IDP_CHILD, cwd=ctx.workdir, timeout=CHILD_TIMEOUT)
+    failed = _child_failed(check, res)
+    if failed:
+        return [failed]
+    if res.result["present"]:
+        return [_row(check, "skip", "present but not validated by this section yet", present=True)]
+    return [_row(check, "skip", "InvariantDataParallel is not built yet (issue 22)", present=False)]
+
+
+# --------------------------------------------------------------------------------------------
+
+CHECKS: list[tuple[str, Callable[[Context], list[Row]]]] = [
+    ("seeded_loader_pin_memory", check_loader),
+    ("rng_state_cuda", check_rng),
+    ("checkpoint_resume_cuda", check_checkpoint),
+    ("checkpoint_cuda_test", check_checkpoint_test),
+    ("check_reproducible", check_reproducible),
+    ("check_divergence", check_broken),
+    ("run_record_compare", check_run_record),
+    ("invariant_data_parallel", check_invariant_data_parallel),
+]
+"""(the first row's check name, the function): the name labels an ``error`` row if it raises."""
+
+
+def _guarded(name: str, fn: Callable[[Context], list[Row]], ctx: Context) -> list[Row]:
+    try:
+        return fn(ctx)
+    except subprocess.TimeoutExpired as exc:
+        return [_row(name, "error", f"a child ran past {exc.timeout:.0f} s: {' '.join(map(str, exc.cmd))}")]
+    except Exception as exc:  # one broken check must not cost the others their rows
+        return [_row(name, "error", f"{type(exc).__name__}: {exc}")]
+
+
+def run(ctx: Context) -> list[Row]:
+    ctx.workdir.mkdir(parents=True, exist_ok=True)
+    workers = max(2, min(4, (os.cpu_count() or 2) // 4))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(_guarded, name, fn, ctx) for name, fn in CHECKS]
+        return [row for future in futures for row in future.result()]
