@@ -1,11 +1,13 @@
 """A small segmentation net, as written first and as fixed after ``torchrepro audit``.
 
-    torchrepro audit examples/audit_example.py            # 3 errors: ops with no deterministic CUDA backward
+    torchrepro audit examples/audit_example.py            # 1 error: adaptive pooling's CUDA backward
     torchrepro audit examples/audit_example.py --fixed    # 0 errors: the replacements the audit suggests
 
-The first version uses reflection padding, adaptive average pooling to 4x4 and bilinear upsampling:
-their backward passes have no deterministic CUDA kernel, so under strict mode the script raises on
-a GPU, and without it the gradients differ from run to run. ``--fixed`` applies the fixes the audit
+The first version uses reflection padding, adaptive average pooling to 4x4 and bilinear upsampling.
+Adaptive pooling's backward has no deterministic CUDA kernel, so under strict mode the script raises
+on a GPU, and without it the gradients differ from run to run. PyTorch documents the other two as
+raising as well, but on torch 2.11 a GPU ran them deterministically under strict mode (the audit
+reports them as info, citing that measurement). ``--fixed`` applies the fixes the audit
 prints: replication padding, a fixed average pooling (the input size is a multiple of 4), and
 nearest upsampling followed by a convolution. Both versions have the same number of parameters.
 """

@@ -34,6 +34,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import time
@@ -48,7 +49,7 @@ from torch import Tensor
 
 from gpu_checks.common import Context, Row
 from torchrepro._runtime import cuda_started
-from torchrepro.audit.optable import _Entry, _load_table, _OpTable
+from torchrepro.audit.optable import _TABLE_FILE, _Entry, _load_table, _OpTable
 from torchrepro.flags import CUBLAS_VAR, DeterminismFlags
 
 NAME = "optable"
@@ -115,6 +116,11 @@ class Case:
     applies: bool = True  # the entry's condition is met (False: the case where it is not)
     note: str = ""
     cpu_only: bool = False  # runs on the CPU even in a CUDA run (quantized tensors)
+
+    @property
+    def direct(self) -> bool:
+        """The aten op called itself, not through the public function the audit sees."""
+        return self.name.endswith("(called directly)")
 
 
 CASES: list[Case] = []
@@ -780,13 +786,13 @@ def _scatter(m: _Maker) -> Thunk:
     return lambda: torch.scatter(x, 0, idx, src)
 
 
-@_case("TR127", "scatter_ reduce='add'", "aten.scatter_.reduce")
+@_case("TR132", "scatter_ reduce='add'", "aten.scatter_.reduce")
 def _scatter_add_reduce(m: _Maker) -> Thunk:
     x, idx, src = _scatter_inputs(m)
     return lambda: x.scatter_(0, idx, src, reduce="add")
 
 
-@_case("TR127", "scatter_ reduce='multiply'", "aten.scatter_.reduce")
+@_case("TR133", "scatter_ reduce='multiply'", "aten.scatter_.reduce")
 def _scatter_mul_reduce(m: _Maker) -> Thunk:
     x, idx, src = _scatter_inputs(m)
     x, src = x + 1, 1 + src / 1000
@@ -982,10 +988,10 @@ def _dropout(m: _Maker) -> Thunk:
 
 
 @_case(
-    None,
+    "TR134",
     "nanmedian with dim (values and indices)",
     "aten.nanmedian.dim",
-    note="not in the table; torch's CUDA median-with-indices kernel serves nanmedian too",
+    note="not in torch's documentation; torch's CUDA median-with-indices kernel serves nanmedian too",
 )
 def _nanmedian_dim(m: _Maker) -> Thunk:
     x = _tied(m)
@@ -1079,6 +1085,7 @@ def observe(case: Case, device: str, quick: bool) -> dict[str, Any]:
         "case": case.name,
         "op": case.op,
         "applies": case.applies,
+        "direct": case.direct,
         "device": device,
         "ran_on": ran_on,
         "torch": torch.__version__,
@@ -1115,8 +1122,17 @@ def observe(case: Case, device: str, quick: bool) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Expectation:
-    behaviour: str  # "raises" (strict mode raises) or "deterministic" (runs, no warning, equal bits)
+    behaviour: str  # "raises" (strict mode raises), "deterministic" (runs, no warning, equal bits), or
+    # "unguarded" (measured: runs under strict mode, bits may differ)
     why: str
+
+
+# ops whose measured section a public function gets without calling the op ("via" in the table)
+_MEASURED_VIA = {
+    m["op"]: m["via"]
+    for m in json.loads(_TABLE_FILE.read_text(encoding="utf-8")).get("measured", {}).get("ops", ())
+    if "via" in m
+}
 
 
 def _entry_for(table: _OpTable, code: str, op: str) -> _Entry | None:
@@ -1139,6 +1155,9 @@ def expectation(record: Mapping[str, Any], table: _OpTable) -> Expectation:
         return Expectation("deterministic", "not in the op table: the audit reports nothing")
     if not record.get("applies", True):
         return Expectation("deterministic", f"{code}'s condition is not met: the audit reports nothing")
+    via = _MEASURED_VIA.get(op)
+    if record.get("direct") and via is not None:
+        return Expectation("raises", f"the op itself ({via})")
     entry = _entry_for(table, str(code), op)
     if entry is None:
         return Expectation(
@@ -1148,6 +1167,8 @@ def expectation(record: Mapping[str, Any], table: _OpTable) -> Expectation:
         return Expectation("raises", f"{code} is in the 'raises' list ({entry.listed_in})")
     if entry.section == "deterministic":
         return Expectation("deterministic", f"{code} is in the 'made deterministic' list ({entry.listed_in})")
+    if entry.section == "unguarded":
+        return Expectation("unguarded", f"{code}: strict mode does not stop it ({entry.listed_in})")
     return Expectation("deterministic", f"{code} (not in the documentation): {entry.why}")
 
 
@@ -1179,7 +1200,10 @@ def disagreements_of(record: Mapping[str, Any], table: _OpTable, torch_version: 
         return []
     exp = expectation(record, table)
     observed: list[str] = []
-    if exp.behaviour == "raises":
+    if exp.behaviour == "unguarded":  # runs under strict mode, bits may differ: only a raise disagrees
+        if outcome == "raises":
+            observed.append("raised (the table says strict mode does not stop it)")
+    elif exp.behaviour == "raises":
         if outcome != "raises":
             bits = {True: "equal bits", False: "unequal bits", None: "bits not compared"}[
                 record.get("equal_bits")
@@ -1335,7 +1359,8 @@ def recheck(rows: Sequence[Row]) -> list[Row]:
     """This section's rows of a saved run, their verdicts worked out anew against this checkout's table.
 
     The table is rebuilt for the torch that ran them, from its documentation as saved in the
-    summary row (else from torchrepro's copy for that release). Rows of other sections, and a
+    summary row (else from torchrepro's copy for that release); a case still defined here takes
+    the entry this checkout assigns it (its name is the key). Rows of other sections, and a
     saved run without this section's summary, come back unchanged.
     """
     mine = [r for r in rows if r.section == NAME]
@@ -1352,6 +1377,12 @@ def recheck(rows: Sequence[Row]) -> list[Row]:
     records = [
         {k: v for k, v in r.data.items() if k not in ("expected", "why")} for r in mine if "case" in r.data
     ]
+    # a case keeps its name; which entry it exercises is this checkout's (an op moved to a new entry)
+    cases = {c.name: c for c in CASES}
+    for record in records:
+        case = cases.get(str(record["case"]))
+        if case is not None:
+            record.update(code=case.code, applies=case.applies, direct=case.direct)
     fresh = rows_of(records, table, device, about)
     out: list[Row] = []
     for r in rows:

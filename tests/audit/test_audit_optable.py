@@ -66,8 +66,9 @@ def test_table_entries_are_well_formed_and_name_real_aten_ops() -> None:
     keys = [(e.code, e.section) for e in table.entries]
     assert len(keys) == len(set(keys))
     for entry in table.entries:
-        assert entry.section in ("raises", "deterministic", "extra")
-        assert (entry.section == "extra") == (not entry.doc), entry.code
+        assert entry.section in ("raises", "deterministic", "unguarded", "extra")
+        if not (entry.listed_in or "").startswith("measured on "):  # a measurement cites a run, not items
+            assert (entry.section == "extra") == (not entry.doc), entry.code
         assert entry.fix and entry.title and entry.ops
         for spec in entry.ops:
             assert spec.phase in ("forward", "backward", "any")
@@ -82,10 +83,19 @@ def test_table_entries_are_well_formed_and_name_real_aten_ops() -> None:
                 )
     for name in table.cublas_ops:
         getattr(torch.ops.aten, name.split(".")[1])
+    # every measurement names an op of an entry, a section with a hint there, and the run
+    ops_of = {o["op"]: e for e in json.loads(_TABLE_FILE.read_text())["entries"] for o in e["ops"]}
+    for m in json.loads(_TABLE_FILE.read_text())["measured"]["ops"]:
+        assert m["op"] in ops_of, m
+        assert (
+            m["section"] in ("raises", "deterministic", "unguarded")
+            and m["section"] in ops_of[m["op"]]["fix"]
+        )
+        assert _release_of(m["since"]) and "gpu_validation.py" in m["seen"]
     raw = json.loads(_TABLE_FILE.read_text())
     assert raw["schema"] == 2 and all(r.count(".") == 1 for r in raw["documentation"])
     for e in raw["entries"]:
-        assert set(e["fix"]) <= {"raises", "deterministic", "extra"}, e["code"]
+        assert set(e["fix"]) <= {"raises", "deterministic", "unguarded", "extra"}, e["code"]
         assert ("extra" in e["fix"]) == (not e.get("doc")), e["code"]
 
 

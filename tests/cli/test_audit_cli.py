@@ -55,16 +55,19 @@ def test_flagged_ops_name_op_module_and_forward_line(
         if f["severity"] == "error"
     }
     assert errors == {
-        ("TR107", "aten.reflection_pad2d_backward", "pad", _line(script, "h = self.pad(h)")),
         ("TR102", "aten._adaptive_avg_pool2d_backward", "pool", _line(script, "h = self.pool(h)")),
-        ("TR106", "aten.upsample_bilinear2d_backward", "Net", _line(script, "h = F.interpolate(")),
-        ("TR116", "aten.cumsum", "Net", _line(script, "h = h.cumsum(-1)")),
+        ("TR133", "aten.scatter_.reduce", None, _line(script, 'reduce="multiply"')),
+        ("TR134", "aten.nanmedian.dim", None, _line(script, "nanmedian(dim=1)")),
     }
+    # documented as raising on CUDA, measured deterministic under strict mode on a GPU: info that says so
+    measured = {f["code"]: f for f in report["findings"] if "(measured on an NVIDIA H200" in f["message"]}
+    assert {code: measured[code]["severity"] for code in ("TR106", "TR107", "TR116")} == dict.fromkeys(
+        ("TR106", "TR107", "TR116"), "info"
+    )
     # the probe saw the arguments: bincount without weights and integer cumsum are not reported
     reported = {f["location"] for f in report["findings"]}
     assert _line(script, "torch.bincount(") not in reported and _line(script, ".cumsum(1)") not in reported
-    (cumsum,) = [f for f in report["findings"] if f["code"] == "TR116"]
-    assert "in forward and in backward" in cumsum["message"]
+    assert "TR132" not in {f["code"] for f in report["findings"]}  # no scatter with reduce='add'
     for f in report["findings"]:
         assert set(f) == {"code", "severity", "op", "module", "location", "message", "fix"}
         assert f["message"] and f["fix"]

@@ -380,6 +380,9 @@ class SettingsProbe:
         def scatter_reduce(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
             return {"reduce": pos(a, kw, 4, "reduce", None)}
 
+        def scatter(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
+            return {"reduce": kw["reduce"]} if "reduce" in kw else {}  # keyword-only in torch
+
         def loss(a: Sequence[Any], kw: Mapping[str, Any]) -> dict[str, Any]:
             reduction = pos(a, kw, 6, "reduction", "mean")
             return {"reduction": "none" if kw.get("reduce") is False else reduction}
@@ -391,6 +394,8 @@ class SettingsProbe:
             wrap(owner, "cumsum", cumsum)
             wrap(owner, "bincount", bincount)
             wrap(owner, "scatter_reduce", scatter_reduce)
+            wrap(owner, "scatter", scatter)
+        wrap(torch.Tensor, "scatter_", scatter)
         wrap(torch.Tensor, "cumsum_", cumsum)
         wrap(torch.Tensor, "scatter_reduce_", scatter_reduce)
         wrap(fn, "nll_loss", loss)

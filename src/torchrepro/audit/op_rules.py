@@ -213,6 +213,14 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
                 "check the call."
             )
         return msg
+    if entry.section == "unguarded":
+        msg = (
+            f"{entry.title}{where}: strict mode (torch.use_deterministic_algorithms(True)) does not stop "
+            f"{', '.join(ops)}, yet its result differs from run to run on CUDA{source}."
+        )
+        if uncertain:
+            msg += f" Only if {_condition_text(entry.condition or {})}, which the op recording cannot tell."
+        return msg
     why = entry.why or (
         "nondeterministic on CUDA (and on the CPU where the documentation says so) unless deterministic "
         "algorithms are on; strict mode makes it deterministic, at some speed cost"
@@ -224,6 +232,9 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
     return msg
 
 
+_PER_SITE = ("raises", "unguarded")  # sections reported per op and call site, as errors
+
+
 def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ()) -> list[Finding]:
     """Findings for recorded op events (``OpEvent`` objects or their ``to_dict()`` dicts).
 
@@ -231,7 +242,8 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
     "reduce"|"reduction"|"mode": ...}``, as the audited child's probe records them) that decide
     the conditions of the table for ops recorded at the same ``location``.
 
-    Ops that raise under strict mode on CUDA (or stay nondeterministic) give one ``error`` per op
+    Ops that raise under strict mode on CUDA, or that it does not stop although they stay
+    nondeterministic (``unguarded``, measured), give one ``error`` per op
     and call site (a ``warning`` when a condition of the table cannot be checked from the
     recording); ops that strict mode makes deterministic give one ``info`` per table entry. Ops not
     in the table give nothing.
@@ -266,7 +278,7 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
                         continue
                     uncertain = True
             op = event.name if event.overload in (None, "default") else f"{event.name}.{event.overload}"
-            if entry.section == "raises":
+            if entry.section in _PER_SITE:
                 key: tuple[Any, ...] = (entry.code, op, event.module, event.location)
             else:
                 key = (entry.code,)
@@ -278,7 +290,7 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
     findings = []
     for entry, event, unsure_list, ops, sites in groups.values():
         unsure = all(unsure_list)
-        severity = ("warning" if unsure else "error") if entry.section == "raises" else "info"
+        severity = ("warning" if unsure else "error") if entry.section in _PER_SITE else "info"
         phases = {backward for _, backward in sites}
         findings.append(
             Finding(

@@ -8,6 +8,10 @@ Invariants:
 - ``ops_table.json`` holds what the documentation does not say, keyed by op, not by release: the
   aten ops behind each documented item, conditions on the call, and a fix hint for each section
   (``raises``, ``deterministic``) an op is in, in any release.
+- What a GPU showed where the documentation is wrong (``measured`` in the table: an op made
+  deterministic that the documentation lists as raising, an op that raises that it does not list,
+  an op strict mode does not stop) overrides the documented section of that op from the measured
+  release on, with the measurement cited (``_Entry.listed_in``); older releases keep the lists.
 - When the installed torch's documentation cannot be read, the lists are torchrepro's copy of the
   newest release at or below it (``documentation`` in the table), and the table says so
   (``_OpTable.read`` is false, ``_OpTable.listed_in`` names the copy).
@@ -35,6 +39,7 @@ _GENERIC_FIX = {
     "replace it (and add a hint to torchrepro/audit/ops_table.json).",
     "deterministic": "Run under strict mode (torchrepro run, or torch.use_deterministic_algorithms(True)); "
     "PyTorch then uses a deterministic implementation, at some speed cost.",
+    "unguarded": "Strict mode does not stop this op: replace it, or run it on the CPU.",
 }
 
 
@@ -49,13 +54,13 @@ class _OpSpec:
 class _Entry:
     code: str
     title: str
-    section: str  # raises | deterministic | extra
+    section: str  # raises | deterministic | unguarded (measured: strict mode runs it, bits vary) | extra
     doc: tuple[str, ...]  # the documented items behind it, in this release
     ops: tuple[_OpSpec, ...]  # those of its ops that are in this section, in this release
     condition: Mapping[str, Any] | None
     fix: str
     why: str | None
-    listed_in: str | None = None  # "torch 2.14 documentation"; None for extra entries
+    listed_in: str | None = None  # "torch 2.14 documentation", "measured on ..."; None for extra entries
     cpu: bool | None = None  # raises on the CPU too: True every item, None some, False CUDA only
 
 
@@ -68,6 +73,15 @@ class _OpTable:
     read: bool = True  # the lists were read from torch's documentation, not from torchrepro's copy
     listed_in: str = ""  # "torch 2.14 documentation" or "torchrepro's copy of the torch 2.13 documentation"
     uncovered: tuple[str, ...] = ()  # documented items the table has no entry for
+
+
+_ORDER = ("raises", "unguarded", "deterministic", "extra")  # the order of an entry's groups
+
+
+def _measured(data: Mapping[str, Any], want: tuple[int, int]) -> dict[str, dict[str, str]]:
+    """The table's measurements that hold for release ``want``: op ("aten.name[.overload]") -> record."""
+    ops = data.get("measured", {}).get("ops", ())
+    return {m["op"]: m for m in ops if _release_of(m["since"]) <= want}
 
 
 def _release_of(version: str) -> tuple[int, int]:
@@ -104,8 +118,12 @@ def _on_cpu(items: list[str]) -> bool | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_table(torch_version: str | None = None, doc: str | None = None) -> _OpTable:
+def _load_table(
+    torch_version: str | None = None, doc: str | None = None, *, measured: bool = True
+) -> _OpTable:
     """The op table for ``torch_version`` (default: the installed torch), its lists read from ``doc``.
+
+    ``measured=False`` leaves out the GPU measurements: the documentation's lists as they are.
 
     ``doc`` defaults to the installed torch's ``use_deterministic_algorithms.__doc__`` when no
     version is given; for another version without ``doc``, or a ``doc`` that cannot be read, the
@@ -125,6 +143,7 @@ def _load_table(torch_version: str | None = None, doc: str | None = None) -> _Op
         release, documented = _curated(data, want)
         read = False
         listed_in = f"torchrepro's copy of the torch {release} documentation"
+    measurements = _measured(data, want) if measured else {}
     entries = []
     covered: set[str] = set()
     for e in data["entries"]:
@@ -134,23 +153,27 @@ def _load_table(torch_version: str | None = None, doc: str | None = None) -> _Op
             spec = _OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"])
             specs.append((spec, [d for d in o.get("doc", e.get("doc", ())) if d in documented]))
         condition, why = e.get("condition"), e.get("why")
-        if not e.get("doc"):  # not in the documentation: always counted
-            ops = tuple(spec for spec, _ in specs)
-            entries.append(_Entry(e["code"], e["title"], "extra", (), ops, condition, e["fix"]["extra"], why))
-            continue
-        by_section: dict[str, tuple[list[_OpSpec], dict[str, None]]] = {}
+        # (section, listed_in) -> (ops, documented items): each group is one _Entry
+        groups: dict[tuple[str, str | None], tuple[list[_OpSpec], dict[str, None]]] = {}
         for spec, items in specs:
-            if not items:
+            seen = measurements.get(f"{spec.name}.{spec.overload}" if spec.overload else spec.name)
+            if seen is not None:
+                key: tuple[str, str | None] = (seen["section"], f"measured on {seen['seen']}")
+            elif not e.get("doc"):
+                key = ("extra", None)  # not in the documentation: always counted
+            elif items:
+                section = "raises" if any(documented[d] == "raises" for d in items) else "deterministic"
+                key = (section, listed_in)
+                items = [d for d in items if documented[d] == section]
+            else:
                 continue
-            section = "raises" if any(documented[d] == "raises" for d in items) else "deterministic"
-            ops_of, items_of = by_section.setdefault(section, ([], {}))
+            ops_of, items_of = groups.setdefault(key, ([], {}))
             ops_of.append(spec)
-            items_of.update(dict.fromkeys(d for d in items if documented[d] == section))
-        covered.update(d for d in e["doc"] if d in documented)
-        for section in _SECTIONS:
-            if section not in by_section:
-                continue
-            ops_of, items_of = by_section[section]
+            items_of.update(dict.fromkeys(items))
+        covered.update(d for d in e.get("doc", ()) if d in documented)
+        for (section, source), (ops_of, items_of) in sorted(
+            groups.items(), key=lambda g: _ORDER.index(g[0][0])
+        ):
             entries.append(
                 _Entry(
                     code=e["code"],
@@ -159,10 +182,12 @@ def _load_table(torch_version: str | None = None, doc: str | None = None) -> _Op
                     doc=tuple(items_of),
                     ops=tuple(ops_of),
                     condition=condition,
-                    fix=e["fix"].get(section, _GENERIC_FIX[section]),
+                    fix=e["fix"].get(section, _GENERIC_FIX.get(section, "")),
                     why=why,
-                    listed_in=listed_in,
-                    cpu=_on_cpu(list(items_of)) if section == "raises" else None,
+                    listed_in=source,
+                    cpu=(_on_cpu(list(items_of)) if source == listed_in else False)
+                    if section == "raises"
+                    else None,
                 )
             )
     return _OpTable(
