@@ -132,7 +132,7 @@ def summarise(result: dict[str, Any], cuda: bool) -> list[Row]:
 
 
 def run(ctx: Context) -> list[Row]:
-    size, rounds, warm, timed = ("tiny", 2, 1, 2) if ctx.quick else ("cost", 5, 3, 10)
+    size, rounds, warm, timed = ("tiny", 2, 1, 2) if ctx.quick else ("cost", 9, 3, 10)
     cwd = ctx.workdir / "costs"
     cwd.mkdir(parents=True, exist_ok=True)
     code = _CHILD.format(device=ctx.device, size=size, rounds=rounds, warm=warm, timed=timed)
