@@ -13,6 +13,8 @@ Invariants:
   flushed (``MaxStepsReached``); at exit a ``final`` event holds the state of every module the
   script's globals hold; the tracing package is imported only when the spec asks for a trace or
   an op record.
+- The ranks of a run end their process group together (``_child.teardown``): installed at
+  ``configure``, finished at ``close``, after the last event is written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torchrepro.launch as _launch
 import torchrepro.recorder as _recorder
 from torchrepro import runrecord
+from torchrepro._child import teardown
 from torchrepro._child.hooks import install_hooks, install_world_hook, worker_mapping
 from torchrepro._child.probe import SettingsProbe
 from torchrepro._child.rankclaim import RankClaim
@@ -180,6 +183,7 @@ class Session:
         if self.claim is not None and self.main:
             self.claim.touch()
         self._save_varied()
+        teardown.finish()
 
 
 def _record_final_state(recorder: Recorder) -> None:
@@ -237,6 +241,7 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
     if spec.audit_settings_out:
         SettingsProbe(spec.audit_settings_out).install()
     _configure(spec)
+    teardown.install()
     session = Session(spec, script, main=main)
     session.backward_steps = install_hooks(
         session.recorder,

@@ -1,0 +1,73 @@
+"""``_child.teardown``: the ranks of a run end their gloo process group together.
+
+Two real processes in a gloo world: rank 1 reaches the end 1.5 s after rank 0. With the teardown
+installed, rank 0's ``destroy_process_group()`` (or ``finish()``, for a group the script left
+alive) returns only once rank 1 has arrived; stock, it returns at once (the negative control):
+that early teardown is what let gloo abort a rank whose last collective was still in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import free_port, user_env
+
+WORKER = """
+import json, os, sys, time
+import torch.distributed as dist
+rank, port, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+from torchrepro._child import teardown
+if how != "stock":
+    teardown.install()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+dist.all_reduce(__import__("torch").ones(1))
+if rank == 1:
+    time.sleep(1.5)
+start = time.monotonic()
+if how == "finish":
+    teardown.finish()
+else:
+    dist.destroy_process_group()
+print(json.dumps({"rank": rank, "waited": time.monotonic() - start, "alive": dist.is_initialized()}))
+"""
+
+
+def _world(tmp_path: Path, how: str) -> dict[int, dict[str, float]]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER, encoding="utf-8")
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), port, how],
+            env=user_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    out = {}
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr[-2000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        out[result["rank"]] = result
+    return out
+
+
+@pytest.mark.parametrize("how", ["destroy", "finish"])
+def test_rank_0_ends_its_group_only_once_rank_1_has_arrived(tmp_path: Path, how: str) -> None:
+    ended = _world(tmp_path, how)
+    assert ended[0]["waited"] > 1.0  # it waited for rank 1's 1.5 s
+    assert ended[1]["waited"] < 1.0
+    assert not ended[0]["alive"] and not ended[1]["alive"]
+
+
+def test_stock_destroy_does_not_wait(tmp_path: Path) -> None:
+    ended = _world(tmp_path, "stock")  # negative control
+    assert ended[0]["waited"] < 1.0
