@@ -38,7 +38,7 @@ from torchrepro.runrecord import events_path, write_env
             ["check", "t.py"],
             {"runs": 2, "steps": None, "nproc": None, "seed": 0, "mode": "strict", "threads": None}
             | {"cpu_capability": None, "no_seed": False, "vary": None, "no_locate": False}
-            | {"serial": False, "isolate": False, "json": False, "module": None, "script": "t.py"}
+            | {"serial": False, "no_isolate": False, "json": False, "module": None, "script": "t.py"}
             | {"args": []},
         ),
         (["compare", "a", "b"], {"run_a": "a", "run_b": "b", "json": False}),

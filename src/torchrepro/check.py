@@ -9,9 +9,9 @@ Invariants:
   on Ctrl-C and on SIGTERM (process trees, torchrun ranks included).
 - Each check writes only below its own fresh directory (``.torchrepro/checks/<id>/``): ``run<i>/``
   run records, ``locate<j>/`` trace re-runs, ``verdict.json``.
-- With ``isolate`` the runs never write into the user's files: each run sees the working directory
-  as the check found it plus its own writes, which end up in its record (``isolation``; where the
-  kernel refuses, the verdict says so). Paths outside
+- The runs never write into the user's files: each run sees the working directory as the check
+  found it plus its own writes, which end up in its record (``isolation``; off with
+  ``isolate=False`` or where the kernel refuses, and then the verdict says so). Paths outside
   it that runs running at the same time both wrote are named (``shared_writes``); a run that
   failed after that is reported with them and the ways out, not as a plain script failure.
 - ``serial`` runs one run at a time (each later run compared live against the complete first).
@@ -151,7 +151,7 @@ def check_script(
     root: str | os.PathLike[str] = ".torchrepro/checks",
     locate: bool = True,
     serial: bool = False,
-    isolate: bool = False,
+    isolate: bool = True,
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
 ) -> CheckResult:
@@ -160,9 +160,7 @@ def check_script(
     ``serial=True`` runs one run at a time (each later one compared live against the first):
     slower, but one run's processes at a time (a GPU that fits one run, not two).
     ``isolate=True`` gives each run a copy-on-write view of the working directory (its writes
-    end up in its record, never in the user's files) where the kernel allows it, and names the
-    paths outside it that runs running together both wrote. Off by default for now: see
-    ``_NOT_ASKED``.
+    end up in its record, never in the user's files) where the kernel allows it.
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -180,7 +178,7 @@ def check_script(
         max_steps=steps,
     )
     check_target(script, module, args, command="check")
-    command = build_command(script, args, module=module, nproc=nproc, watch_writes=isolate)  # validates nproc
+    command = build_command(script, args, module=module, nproc=nproc, watch_writes=True)  # validates nproc
     check_dir = runrecord.new_run_dir(root)
     isolation, layers = _isolation(check_dir, enabled=isolate)
     try:
@@ -206,17 +204,11 @@ def check_script(
             layers.close()
 
 
-_NOT_ASKED = "not asked for (--isolate)"
-"""Why a check's runs are not isolated by default: with isolation, DDP ranks of a run (torchrun,
-Lightning) aborted at exit in 2 of 3 clean-clone test runs ("terminate called without an active
-exception"), after training; the cause is not known yet, so the default keeps the runs as before."""
-
-
 def _isolation(check_dir: Path, *, enabled: bool) -> tuple[Isolation, Layers | None]:
     """How this check's runs are kept apart, and where their upper layers live."""
     root = os.path.realpath(os.getcwd())
     if not enabled:
-        return Isolation(mode="none", root=root, reason=_NOT_ASKED), None
+        return Isolation(mode="none", root=root, reason="--no-isolate"), None
     layers = Layers.create(check_dir, root)
     if layers is None:
         reason = "no writable directory outside it for the runs' writes"
@@ -258,7 +250,7 @@ def _check(
             run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
     notes = [n for n in [nproc_note(nproc)] if n]
-    if isolation.mode == "none" and isolation.reason != _NOT_ASKED:
+    if isolation.mode == "none" and isolation.reason != "--no-isolate":
         notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
         with terminate_on_signals():

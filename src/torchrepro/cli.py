@@ -184,11 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
         "outside the working directory)",
     )
     p.add_argument(
-        "--isolate",
+        "--no-isolate",
         action="store_true",
-        help="give each run its own copy-on-write view of the working directory (its writes are kept "
-        "in its record; the user's files are never touched) and name paths outside it that runs "
-        "both wrote (default: the runs share the directory)",
+        help="let the runs write into the working directory side by side (default: each run writes "
+        "to its own copy-on-write view of it, kept in its record; the user's files are never touched)",
     )
     p.add_argument(
         "--json", action="store_true", help="print the verdict as one JSON object on stdout (with notes)"
@@ -353,7 +352,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         vary=args.vary,
         locate=not args.no_locate,
         serial=args.serial,
-        isolate=args.isolate,
+        isolate=not args.no_isolate,
         progress=progress,
     )
     if tty:

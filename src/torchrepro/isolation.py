@@ -9,7 +9,7 @@ Invariants:
   working directory, as it left it) and ``FILES_DELETED`` (what it deleted there), and the
   layer's directory is removed. Nothing is copied before or during a run.
 - Whether the kernel allows the overlay is tried once per check, with the supervisor itself; when
-  it does not (or without ``--isolate``) the runs share the working directory, and the check says so
+  it does not (or with ``--no-isolate``) the runs share the working directory, and the check says so
   (``Isolation.mode == "none"`` with the reason).
 - Paths outside what is isolated (absolute paths elsewhere, ``/tmp``, mounts below the working
   directory) are watched (``_child.writes``): the paths two runs running at the same time both

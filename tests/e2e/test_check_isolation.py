@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from helpers import check_json, torchrepro
@@ -36,7 +37,7 @@ def test_checks_of_a_script_saving_and_reloading_in_its_directory_never_fail_nor
     users = os.urandom(64)  # the user's own model.pt, from an earlier real run
     (tmp_path / "model.pt").write_bytes(users)
     for i in range(CHECKS):
-        code, verdict, err = check_json(tmp_path, "--isolate", "--runs", "3", str(SCRIPTS / "save_reload.py"))
+        code, verdict, err = check_json(tmp_path, "--runs", "3", str(SCRIPTS / "save_reload.py"))
         assert (code, verdict["reproducible"]) == (0, True), f"check {i + 1}: {err}"
         assert verdict["isolation"]["mode"] == "overlay", verdict["isolation"]
         assert verdict["shared_writes"] == []
@@ -49,7 +50,7 @@ def test_checks_of_a_script_saving_and_reloading_in_its_directory_never_fail_nor
 
 
 def test_a_library_checkpoint_saver_runs_side_by_side(tmp_path: Path) -> None:
-    code, verdict, err = check_json(tmp_path, "--isolate", "--runs", "3", str(SCRIPTS / "library_saver.py"))
+    code, verdict, err = check_json(tmp_path, "--runs", "3", str(SCRIPTS / "library_saver.py"))
     assert (code, verdict["reproducible"]) == (0, True), err
     assert not (tmp_path / "output").exists()
     check_dir = _check_dir(tmp_path, err)
@@ -60,36 +61,30 @@ def test_a_library_checkpoint_saver_runs_side_by_side(tmp_path: Path) -> None:
         assert torch.load(files[0])["step"] == 29
 
 
-def test_paths_both_runs_write_are_named_with_the_way_out_not_as_a_script_failure(tmp_path: Path) -> None:
+@pytest.mark.parametrize("isolate", [True, False], ids=["outside-the-isolation", "no-isolate"])
+def test_paths_both_runs_write_are_named_with_the_way_out_not_as_a_script_failure(
+    tmp_path: Path, isolate: bool
+) -> None:
     cwd = tmp_path / "work"
     cwd.mkdir()
-    out = tmp_path / "elsewhere" / "out"  # an absolute path outside the working directory
-    proc = torchrepro(cwd, "check", "--isolate", str(SCRIPTS / "fixed_output.py"), str(out))
+    # isolated: an absolute path outside the working directory; --no-isolate: a relative one
+    out = tmp_path / "elsewhere" / "out" if isolate else cwd / "out"
+    options = [] if isolate else ["--no-isolate"]
+    arg = str(out) if isolate else "out"
+    proc = torchrepro(cwd, "check", *options, str(SCRIPTS / "fixed_output.py"), arg)
     assert proc.returncode == 2, proc.stderr
     assert "the script failed" not in proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if "wrote the same path(s)" in x]
     assert str(out) in line and "--serial" in line and "its own output path" in line, line
     assert line.startswith("torchrepro check: run ") and "failed with exit code 1" in line
-    assert "outside the working directory" in line, line
+    assert ("outside the working directory" in line) == isolate, line
+    assert ("--no-isolate" in line) != isolate, line
 
-    code, verdict, _ = check_json(cwd, "--isolate", str(SCRIPTS / "fixed_output.py"), str(out) + "2")
+    code, verdict, _ = check_json(cwd, *options, str(SCRIPTS / "fixed_output.py"), arg + "2")
     assert code == 2
     assert verdict["shared_writes"] == [str(out) + "2"]
-    assert verdict["isolation"]["mode"] == "overlay"
+    assert verdict["isolation"]["mode"] == ("overlay" if isolate else "none")
     assert "--serial" in verdict["error"]
-
-
-def test_without_isolate_the_runs_share_the_directory_as_before(tmp_path: Path) -> None:
-    """The default (see check._NOT_ASKED): no overlay, no write watch; the verdict says so."""
-    code, verdict, _ = check_json(tmp_path, str(SCRIPTS / "library_saver.py"))
-    assert verdict["isolation"] == {
-        "mode": "none",
-        "root": os.path.realpath(tmp_path),
-        "user_namespace": False,
-        "reason": "not asked for (--isolate)",
-    }
-    assert verdict["shared_writes"] == [] and (tmp_path / "output").is_dir()  # written in place
-    assert code in (0, 2)  # two runs side by side may collide on the second-named directory
 
 
 def test_run_writes_where_the_script_writes(tmp_path: Path) -> None:
