@@ -18,7 +18,6 @@ ran):
   k and trains on to N; process B loads step k and trains on to N: the same parameter bits.
   The negative control (``restore_rng=False``) differs; the file loads with
   ``torch.load(weights_only=True)`` and holds the CUDA generator's state.
-- ``checkpoint_cuda_test``: the ``requires_cuda`` checkpoint test of the suite runs and passes.
 - ``check_reproducible``: ``python -m torchrepro check --json`` on a small training script (a
   ``SeededLoader`` with workers and pinning, dropout) exits 0, reproducible.
 - ``check_divergence``: the same script with noise drawn from a device generator seeded from the
@@ -47,7 +46,6 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-import importlib.util
 import json
 import os
 import subprocess
@@ -56,14 +54,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_checks.common import ROOT, ChildResult, Context, Row, child_env, run_python
+from gpu_checks.common import ChildResult, Context, Row, child_env, run_python
 
 NAME = "integration"
 
 CHILD_TIMEOUT = 120.0
 """Seconds any one child process (a script, a ``torchrepro`` command, pytest) may take."""
 
-CUDA_CHECKPOINT_TEST = "tests/checkpoint/test_checkpoint.py::test_cuda_model_and_rng_round_trip"
 
 NOISE_MARKER = "# noise draw"
 """Ends the line of ``TRAIN_SCRIPT`` whose op the locate must name."""
@@ -400,36 +397,6 @@ def check_checkpoint(ctx: Context) -> list[Row]:
     return [_row(check, "pass" if ok else "fail", detail, **data)]
 
 
-def check_checkpoint_test(ctx: Context) -> list[Row]:
-    check = "checkpoint_cuda_test"
-    if not ctx.cuda:
-        return [_row(check, "skip", f"needs CUDA: {CUDA_CHECKPOINT_TEST} is marked requires_cuda")]
-    if importlib.util.find_spec("pytest") is None:
-        return [_row(check, "skip", "pytest is not installed on this machine")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-p",
-        "no:cacheprovider",
-        "-W",
-        "ignore::pytest.PytestConfigWarning",  # e.g. pytest-timeout's ini key without the plugin
-        "--require-cuda",
-        "-q",
-        CUDA_CHECKPOINT_TEST,
-    ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=CHILD_TIMEOUT
-    )
-    lines = proc.stdout.strip().splitlines()
-    summary = lines[-1] if lines else ""
-    passed = proc.returncode == 0 and "1 passed" in summary
-    detail = f"pytest --require-cuda {CUDA_CHECKPOINT_TEST}: {summary or 'no output'}"
-    if not passed:
-        detail += f" (exit {proc.returncode}): {(proc.stdout + proc.stderr).strip()[-600:]}"
-    return [_row(check, "pass" if passed else "fail", detail, returncode=proc.returncode, summary=summary)]
-
-
 # --------------------------------------------------------------------------------------------
 # 4-6. The command line on a training script: check, check of a broken variant and its locate,
 # run --record twice and compare
@@ -702,7 +669,6 @@ CHECKS: list[tuple[str, Callable[[Context], list[Row]]]] = [
     ("seeded_loader_pin_memory", check_loader),
     ("rng_state_cuda", check_rng),
     ("checkpoint_resume_cuda", check_checkpoint),
-    ("checkpoint_cuda_test", check_checkpoint_test),
     ("check_reproducible", check_reproducible),
     ("check_divergence", check_broken),
     ("run_record_compare", check_run_record),

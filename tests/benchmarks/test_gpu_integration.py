@@ -30,7 +30,7 @@ CPU_PASSES = {
     "locate_cuda_op",
     "run_record_compare",
 }
-CUDA_ONLY = {"checkpoint_cuda_test", "run_record_env_gpu"}
+CUDA_ONLY = {"run_record_env_gpu"}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,6 @@ def test_every_row_is_reported_once_and_in_order(rows: dict[str, Row]) -> None:
         "rng_state_cuda",
         "fork_rng_cuda",
         "checkpoint_resume_cuda",
-        "checkpoint_cuda_test",
         "check_reproducible",
         "check_divergence",
         "locate_cuda_op",
