@@ -184,3 +184,93 @@ def test_seed_drawn_from_an_unseeded_source() -> None:
     (finding,) = audit_settings(_settings(tainted_seeds=[call]))
     assert (finding.code, finding.severity, finding.location) == ("TR305", "warning", "train.py:3")
     assert "random.randint" in finding.message and "torch's global RNG" in finding.message
+
+
+# --------------------------------------------------------------------------------------------
+# Training seen as check sees it: backward steps, and training in child processes
+
+
+def _child(pid: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "pid": pid,
+        "main": False,
+        "followed": True,
+        "target": "train",
+        "location": "train.py:11",
+        "optimizer_steps": 0,
+        "backward_steps": 0,
+        "torch_seeded": True,
+        **kw,
+    }
+
+
+_MAIN = {
+    "pid": 1,
+    "main": True,
+    "followed": True,
+    "optimizer_steps": 0,
+    "backward_steps": 0,
+    "torch_seeded": True,
+}
+
+
+def test_a_hand_written_update_loop_is_training() -> None:
+    # backward() steps with no optimizer: training (check counts a step per backward())
+    assert audit_settings(_settings(optimizer_steps=0, backward_steps=1)) == []
+    # control: nothing trained at all is still said
+    (finding,) = audit_settings(_settings(optimizer_steps=0, backward_steps=0))
+    assert finding.code == "TR003" and "no optimizer step and ran no backward()" in finding.message
+
+
+def test_training_in_child_processes_is_training() -> None:
+    procs = [_MAIN, _child(2, optimizer_steps=1), _child(3, optimizer_steps=1)]
+    assert audit_settings(_settings(optimizer_steps=2, processes=procs)) == []
+    # control: children that did not train either
+    idle = [_MAIN, _child(2), _child(3)]
+    (finding,) = audit_settings(_settings(optimizer_steps=0, processes=idle))
+    assert finding.code == "TR003"
+    assert ", nor did the 2 child processes started at train.py:11 (target train);" in finding.message
+
+
+def test_children_the_audit_did_not_follow_are_named_never_called_no_training() -> None:
+    procs = [_MAIN, _child(2, followed=False, torch_seeded=None, location="train.py:20")]
+    (finding,) = audit_settings(_settings(optimizer_steps=0, processes=procs))
+    assert (finding.code, finding.severity) == ("TR003", "info")
+    assert "1 child process started at train.py:20 (target train) ran outside the audit" in finding.message
+    assert "inference-only" not in finding.message and "made no optimizer step" not in finding.message
+    # training seen elsewhere: nothing to say about the unfollowed one in TR003's place
+    trained = [{**_MAIN, "optimizer_steps": 1}, procs[1]]
+    assert audit_settings(_settings(optimizer_steps=1, processes=trained)) == []
+
+
+def test_torch_seeding_is_judged_in_the_processes_that_trained() -> None:
+    # the parent seeds nothing, each child seeds itself: nothing to report
+    seeding_children = [
+        {**_MAIN, "torch_seeded": False},
+        _child(2, optimizer_steps=1),
+        _child(3, optimizer_steps=1),
+    ]
+    assert audit_settings(_settings(torch_seeded=False, processes=seeding_children)) == []
+    # control: the children train unseeded
+    unseeded = [
+        _MAIN,
+        _child(2, optimizer_steps=1, torch_seeded=False),
+        _child(3, optimizer_steps=1, torch_seeded=False),
+    ]
+    (finding,) = audit_settings(_settings(processes=unseeded))
+    assert finding.code == "TR208"
+    assert finding.message.startswith(
+        "The 2 child processes started at train.py:11 (target train) train without"
+    )
+    # the parent trains unseeded: the script's own message
+    parent = [{**_MAIN, "optimizer_steps": 1, "torch_seeded": False}, _child(2, optimizer_steps=1)]
+    (finding,) = audit_settings(_settings(processes=parent))
+    assert finding.message.startswith("The script never seeds torch's RNG")
+
+
+def test_a_loader_in_a_child_is_judged_by_that_childs_seeding() -> None:
+    loader = _loader(probe=_draws("random"))
+    # the judged process seeded random, the child that built the loader did not
+    child_loader = {**loader, "seeded": {**_SEEDED, "random": False}, "pid": 2}
+    assert [f.code for f in audit_settings(_settings(dataloaders=[child_loader]))] == ["TR304"]
+    assert audit_settings(_settings(dataloaders=[{**child_loader, "seeded": _SEEDED}])) == []

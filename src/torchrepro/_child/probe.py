@@ -25,22 +25,32 @@ import atexit
 import contextlib
 import functools
 import inspect
+import linecache
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from torchrepro import recorder as _recorder
-from torchrepro._frames import user_site
+from torchrepro import runrecord
+from torchrepro._frames import user_frame, user_site
 from torchrepro._io import atomic_write_json
 from torchrepro._runtime import cuda_started
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.flags import DeterminismFlags
 
-__all__ = ["SettingsProbe"]
+__all__ = ["SettingsProbe", "install_probe", "installed_probe"]
+
+_WORKER_MODULE = "torch.utils.data._utils.worker"
+"""The module of the DataLoader worker loop: a ``Process`` target that is never followed."""
+_SPAWN_WRAPPER_MODULE = "torch.multiprocessing.spawn"
+"""``mp.spawn`` starts ``_wrap(fn, i, ...)``: the user's function is its first argument."""
+_SHARED_CHECKED = 256
+"""Parameters of a step checked for shared memory (hogwild shares the whole model)."""
 
 
 def _user_location() -> str | None:
@@ -261,11 +271,89 @@ def _sampler_facts(loader: Any, given: str | None) -> dict[str, Any]:
     }
 
 
-class SettingsProbe:
-    """Watches what the audited script sets; writes it as JSON after each optimizer step and at exit."""
+def _target_name(target: Any, args: Sequence[Any] = ()) -> str | None:
+    """The name of a process's target (``mp.spawn``: the function it wraps)."""
+    if target is None:
+        return None
+    if getattr(target, "__module__", None) == _SPAWN_WRAPPER_MODULE and args and callable(args[0]):
+        target = args[0]
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    return str(name or type(target).__name__)
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+
+def _shared_cpu(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """The CPU tensors among ``tensors`` whose storage is in shared memory (a CUDA tensor always
+    says it is shared: it is not counted)."""
+    out = []
+    for i, t in enumerate(tensors):
+        if i >= _SHARED_CHECKED:
+            break
+        with contextlib.suppress(Exception):
+            tensor: Any = t
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and tensor.is_shared():
+                out.append(t)
+    return out
+
+
+def _receiver(frame: types.FrameType, method: str) -> str | None:
+    """The expression a method was called on at the frame's line (``model`` in ``model.share_memory()``)."""
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    m = re.search(r"([A-Za-z_][\w.]*)\s*\.\s*" + re.escape(method) + r"\s*\(", line)
+    return m.group(1) if m else None
+
+
+def _holder(tensors: Sequence[torch.Tensor], frame: types.FrameType | None) -> tuple[str | None, str | None]:
+    """``(class, variable)`` of the module holding ``tensors`` (or of the tensor itself) that the
+    frames from ``frame`` outward, then ``__main__``, refer to; ``(None, None)`` when none does."""
+    ids = {id(t) for t in tensors}
+    namespaces: list[Mapping[str, Any]] = []
+    depth = 0
+    while frame is not None and depth < 40:
+        namespaces.append(frame.f_locals)
+        frame = frame.f_back
+        depth += 1
+    for name in ("__main__", "__mp_main__"):
+        module = sys.modules.get(name)
+        if module is not None:
+            namespaces.append(vars(module))
+    tensor_name: str | None = None
+    for namespace in namespaces:
+        for var, value in list(namespace.items()):
+            if isinstance(value, torch.nn.Module):
+                with contextlib.suppress(Exception):
+                    if any(id(p) in ids for p in value.parameters()):
+                        return type(value).__name__, var
+            elif tensor_name is None and isinstance(value, torch.Tensor) and id(value) in ids:
+                tensor_name = var
+    return ("Tensor", tensor_name) if tensor_name else (None, None)
+
+
+class SettingsProbe:
+    """Watches what the audited script sets; writes it as JSON after each optimizer step and at exit.
+
+    ``main``: the process the audit started (writes ``path``); otherwise a python child the
+    script started, or a fork of a probed process, which writes ``runrecord.process_path(path, pid)``.
+    """
+
+    def __init__(self, path: str, *, main: bool = True) -> None:
+        self.base_path = path
+        self.path = path if main else str(runrecord.process_path(path, os.getpid()))
+        self.disabled = False  # a DataLoader worker: writes nothing
+        self.process: dict[str, Any] = {
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "main": main,
+            "target": None,
+            "start_method": None,
+            "argv": None if main else [str(a) for a in getattr(sys, "orig_argv", sys.argv)[:4]],
+        }
+        self.backward: Any = None  # the session's BackwardSteps (``steps``: backward steps begun)
+        self._backward_base = 0
+        self.started: list[dict[str, Any]] = []
+        self.shared_modules: list[dict[str, Any]] = []
+        self._shared_updates: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._holders: dict[tuple[int, ...], tuple[str | None, str | None]] = {}
+        self._seq = 0  # this process's clock of starts, joins and shared updates
         self.start_seed = torch.initial_seed()
         self.start_env = {
             k: os.environ.get(k) for k in ("PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
@@ -338,14 +426,200 @@ class SettingsProbe:
 
         torch.set_num_threads = set_num_threads  # type: ignore[assignment]
 
-        def after_step(*_: Any) -> None:
+        def after_step(opt: Any, *_: Any) -> None:
             probe.optimizer_steps += 1
+            with contextlib.suppress(Exception):
+                params = [p for group in opt.param_groups for p in group["params"]]
+                probe._note_shared_update(params, "optimizer", sys._getframe(1))
             probe.write()
 
         self._watch_calls()
         self._watch_seeding()
+        self._watch_processes()
+        self._watch_sharing()
         optim_mod.register_optimizer_step_post_hook(after_step)
         atexit.register(self.write)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    # --- processes ---------------------------------------------------------------------------
+    def _tick(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _after_fork(self) -> None:
+        """In a fork of a probed process: a process of its own, with a record of its own. What
+        the parent set (seeds, switches) is inherited; what it counted and saw is not."""
+        self.path = str(runrecord.process_path(self.base_path, os.getpid()))
+        self.process = {
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "main": False,
+            "target": None,
+            "start_method": "fork",
+            "argv": None,
+        }
+        self.optimizer_steps = 0
+        self._backward_base = getattr(self.backward, "steps", 0)
+        self.compile_calls = []
+        self._loaders = []
+        self.calls = {}
+        self.tainted_seeds = []
+        self.started = []
+        self.shared_modules = []
+        self._shared_updates = {}
+        self._seq = 0
+
+    def _enter_process(self, process: Any) -> None:
+        """A ``multiprocessing`` process begins its target here."""
+        self.process["target"] = _target_name(
+            getattr(process, "_target", None), getattr(process, "_args", ())
+        )
+        if not self.process.get("start_method"):
+            self.process["start_method"] = getattr(process, "_start_method", None)
+
+    def _watch_processes(self) -> None:
+        """Note each ``multiprocessing`` process the script starts (where, which target, its pid,
+        when it was joined), and write this process's record when one it runs ends: a process
+        ``multiprocessing`` forked leaves with ``os._exit``, without ``atexit``."""
+        import multiprocessing.process as mp_process
+
+        probe = self
+        cls: Any = mp_process.BaseProcess
+        original_start = cls.start
+        original_join = cls.join
+        original_bootstrap = cls._bootstrap
+
+        @functools.wraps(original_start)
+        def start(process: Any) -> None:
+            target = getattr(process, "_target", None)
+            record: dict[str, Any] | None = None
+            if getattr(target, "__module__", None) != _WORKER_MODULE and not probe.disabled:
+                with contextlib.suppress(Exception):
+                    args = tuple(getattr(process, "_args", ()))
+                    record = {
+                        "pid": None,
+                        "location": _user_location(),
+                        "target": _target_name(target, args),
+                        "start_method": None,
+                        "started": probe._tick(),
+                        "joined": None,
+                        "shared_args": probe._shared_args(args, getattr(process, "_kwargs", {})),
+                    }
+            original_start(process)
+            if record is not None:
+                record["pid"] = process.pid
+                record["start_method"] = getattr(getattr(process, "_popen", None), "method", None)
+                probe.started.append(record)
+                process._torchrepro_started = record
+
+        @functools.wraps(original_join)
+        def join(process: Any, *a: Any, **kw: Any) -> None:
+            original_join(process, *a, **kw)
+            record = getattr(process, "_torchrepro_started", None)
+            if record is not None and record["joined"] is None and process.exitcode is not None:
+                record["joined"] = probe._tick()
+
+        @functools.wraps(original_bootstrap)
+        def bootstrap(process: Any, *a: Any, **kw: Any) -> Any:
+            if getattr(getattr(process, "_target", None), "__module__", None) == _WORKER_MODULE:
+                probe.disabled = True
+                return original_bootstrap(process, *a, **kw)
+            with contextlib.suppress(Exception):
+                probe._enter_process(process)
+            try:
+                return original_bootstrap(process, *a, **kw)
+            finally:
+                probe.write()
+
+        cls.start = start
+        cls.join = join
+        cls._bootstrap = bootstrap
+
+    def _shared_args(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+        """The modules and tensors in shared memory among a process's arguments (by class)."""
+        out = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.nn.Module) and _shared_cpu(value.parameters()):
+                out.append(type(value).__name__)
+            elif isinstance(value, torch.Tensor) and _shared_cpu([value]):
+                out.append("Tensor")
+        return out
+
+    # --- shared memory -------------------------------------------------------------------------
+    def _watch_sharing(self) -> None:
+        """Note the script's ``share_memory()`` calls (on a module, or ``share_memory_()`` on a tensor)."""
+        probe = self
+        module_share = torch.nn.Module.share_memory
+        tensor_share: Any = torch.Tensor.share_memory_
+
+        def note(obj: Any, method: str, tensors: list[torch.Tensor]) -> None:
+            caller = sys._getframe(2)
+            frame = user_frame(caller)
+            if frame is None or frame is not caller or len(probe.shared_modules) >= 100:
+                return  # called by a library (a module sharing its tensors), not by the script
+            location = _user_location()
+            if any(m["location"] == location and m["_id"] == id(obj) for m in probe.shared_modules):
+                return
+            probe.shared_modules.append(
+                {
+                    "location": location,
+                    "class": type(obj).__name__,
+                    "variable": _receiver(frame, method),
+                    "params": len(tensors),
+                    "_id": id(obj),
+                }
+            )
+
+        @functools.wraps(module_share)
+        def share_memory(module: Any) -> Any:
+            result = module_share(module)
+            with contextlib.suppress(Exception):
+                note(module, "share_memory", list(module.parameters()))
+            return result
+
+        @functools.wraps(tensor_share)
+        def share_memory_(tensor: Any) -> Any:
+            result = tensor_share(tensor)
+            with contextlib.suppress(Exception):
+                note(tensor, "share_memory_", [tensor])
+            return result
+
+        torch.nn.Module.share_memory = share_memory  # type: ignore[method-assign,assignment]
+        torch.Tensor.share_memory_ = share_memory_  # type: ignore[method-assign]
+
+    def _note_shared_update(self, tensors: Sequence[torch.Tensor], via: str, frame: Any) -> None:
+        """A step updated ``tensors``: note the ones in shared memory, by the module holding them."""
+        shared = _shared_cpu(tensors)
+        if not shared:
+            return
+        key_ids = tuple(id(t) for t in shared[:8])
+        holder = self._holders.get(key_ids)
+        if holder is None:
+            holder = self._holders[key_ids] = _holder(shared, user_frame(frame))
+        key = (*holder, via)
+        seq = self._tick()
+        record = self._shared_updates.get(key)
+        if record is None:
+            if len(self._shared_updates) >= 20:
+                return
+            record = self._shared_updates[key] = {
+                "module": holder[0],
+                "variable": holder[1],
+                "params": len(shared),
+                "via": via,
+                "steps": 0,
+                "first": seq,
+            }
+        record["steps"] += 1
+        record["last"] = seq
+
+    def after_backward(self) -> None:
+        """A ``backward()`` step ended (training no optimizer sees): note it and write."""
+        with contextlib.suppress(Exception):
+            trained = [t for _, t in getattr(self.backward, "_last", ())]
+            self._note_shared_update(trained, "backward", sys._getframe(1))
+        self.write()
 
     def _watch_calls(self) -> None:
         """Wrap the few functions whose arguments decide a table condition; record the facts by line."""
@@ -584,8 +858,37 @@ class SettingsProbe:
             optimizer_steps=self.optimizer_steps,
             calls=tuple(self.calls.values()),
             cuda_initialized=cuda_started(),
+            backward_steps=max(0, getattr(self.backward, "steps", 0) - self._backward_base),
+            process=dict(self.process),
+            started=tuple(dict(r) for r in self.started),
+            shared_modules=tuple(
+                {k: v for k, v in m.items() if not k.startswith("_")} for m in self.shared_modules
+            ),
+            shared_updates=tuple(dict(u) for u in self._shared_updates.values()),
         )
 
     def write(self) -> None:
+        if self.disabled:
+            return
         with contextlib.suppress(Exception):
             atomic_write_json(self.path, self.snapshot().to_dict())
+
+
+_installed: SettingsProbe | None = None
+
+
+def install_probe(path: str, *, main: bool = True) -> SettingsProbe:
+    """Install the audit's probe in this process, once (a later call returns the one installed:
+    a python child installs it before its parent's ``__main__`` is imported again, and its
+    session finds it then)."""
+    global _installed
+    if _installed is None:
+        probe = SettingsProbe(path, main=main)
+        probe.install()
+        _installed = probe
+    return _installed
+
+
+def installed_probe() -> SettingsProbe | None:
+    """The probe installed in this process (inherited by a fork), or None."""
+    return _installed

@@ -14,7 +14,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torchrepro.audit.findings import Finding, settings_finding, sort_key
@@ -24,7 +25,7 @@ from torchrepro.audit.optable import _load_table
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.flags import CUBLAS_CONFIGS
 
-__all__ = ["audit_settings"]
+__all__ = ["audit_settings", "describe_processes", "processes", "steps_of"]
 
 _STRICT = "torchrepro run, or torch.use_deterministic_algorithms(True)"
 
@@ -187,10 +188,78 @@ def _threads(run: _Run) -> list[Finding]:
     ]
 
 
+def processes(settings: ProbeSettings) -> list[Mapping[str, Any]]:
+    """One summary per process of the run (``ProbeSettings.processes``; for a record of one
+    process, that process alone)."""
+    if settings.processes:
+        return list(settings.processes)
+    return [
+        {
+            "pid": settings.process.get("pid"),
+            "main": True,
+            "followed": True,
+            "optimizer_steps": settings.optimizer_steps,
+            "backward_steps": settings.backward_steps,
+            "torch_seeded": settings.torch_seeded,
+            "shared_updates": [dict(u) for u in settings.shared_updates],
+        }
+    ]
+
+
+def steps_of(process: Mapping[str, Any]) -> int:
+    """Training steps a process made: optimizer steps, and backward steps no optimizer saw."""
+    return int(process.get("optimizer_steps") or 0) + int(process.get("backward_steps") or 0)
+
+
+def _where(process: Mapping[str, Any]) -> str:
+    if process.get("location"):
+        return f"started at {process['location']}"
+    argv = process.get("argv")
+    if argv:
+        return (
+            "started as `" + " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(argv)) + "`"
+        )
+    return "started by the script"
+
+
+def describe_processes(procs: Sequence[Mapping[str, Any]]) -> str:
+    """``2 child processes started at train.py:11 (target train)``: grouped by where and what."""
+    groups: dict[tuple[str, str | None], int] = {}
+    for p in procs:
+        key = (_where(p), p.get("target"))
+        groups[key] = groups.get(key, 0) + 1
+    parts = [
+        (f"{n} " if len(groups) > 1 else "") + where + (f" (target {target})" if target else "")
+        for (where, target), n in groups.items()
+    ]
+    noun = "child process" if len(procs) == 1 else "child processes"
+    return f"{len(procs)} {noun} " + ("; ".join(parts) if len(parts) == 1 else "(" + "; ".join(parts) + ")")
+
+
 def _torch_unseeded(run: _Run) -> list[Finding]:
-    """TR208: the script never seeds torch."""
-    if run.settings.torch_seeded is not False:
+    """TR208: torch's RNG is never seeded in the processes that trained (or, when none trained,
+    in any process)."""
+    procs = [p for p in processes(run.settings) if p.get("followed", True)]
+    trainers = [p for p in procs if steps_of(p) > 0]
+    if trainers:
+        unseeded = [p for p in trainers if p.get("torch_seeded") is False]
+    else:
+        unseeded = [] if any(p.get("torch_seeded") is not False for p in procs) else procs[:1]
+    if not unseeded:
         return []
+    children = [p for p in unseeded if not p.get("main")]
+    if len(children) == len(unseeded):
+        return [
+            settings_finding(
+                "TR208",
+                "warning",
+                f"The {describe_processes(children)} train without seeding torch's RNG (a process "
+                "started with spawn or forkserver does not inherit the parent's seed): initial weights, "
+                "dropout masks and shuffling there differ every run.",
+                "Seed at the start of each process's target (torch.manual_seed(seed + rank), or "
+                "torchrepro.seed_everything(seed)), or run it with torchrepro run --seed N.",
+            )
+        ]
     return [
         settings_finding(
             "TR208",
@@ -205,7 +274,12 @@ def _torch_unseeded(run: _Run) -> list[Finding]:
 
 def _loaders(run: _Run) -> list[Finding]:
     """TR301-TR304, TR306: each DataLoader (``audit.loader_rules``)."""
-    return [f for loader in run.settings.dataloaders for f in loader_findings(loader, run.settings.seeded)]
+    # a loader of another process than the one the settings were read in carries its seeding
+    return [
+        f
+        for loader in run.settings.dataloaders
+        for f in loader_findings(loader, loader.get("seeded", run.settings.seeded))
+    ]
 
 
 def _tainted_seeds(run: _Run) -> list[Finding]:
@@ -240,18 +314,41 @@ def _compile(run: _Run) -> list[Finding]:
     return out
 
 
-def _no_optimizer_step(run: _Run) -> list[Finding]:
-    """TR003: the script made no optimizer step while audited."""
-    if run.settings.optimizer_steps != 0:
+def _no_training(run: _Run) -> list[Finding]:
+    """TR003: no training step was seen in any process (optimizer steps, or backward steps where
+    no optimizer steps); said differently when children ran that the audit did not follow."""
+    procs = processes(run.settings)
+    if any(steps_of(p) > 0 for p in procs):
         return []
+    followed = [p for p in procs if not p.get("main") and p.get("followed", True)]
+    unfollowed = [p for p in procs if not p.get("main") and not p.get("followed", True)]
+    if unfollowed:
+        return [
+            settings_finding(
+                "TR003",
+                "info",
+                "No training step was seen in this process (no optimizer step, no backward())"
+                + (f" nor in the {describe_processes(followed)} the audit followed" if followed else "")
+                + f"; the {describe_processes(unfollowed)} ran outside the audit ("
+                + ("it" if len(unfollowed) == 1 else "they")
+                + " wrote no record of "
+                + ("its" if len(unfollowed) == 1 else "their")
+                + " own: not a python with this environment, or ended before writing), so whatever "
+                "ran there is not covered by these findings.",
+                "Start training processes as python processes that keep the environment "
+                "(multiprocessing or torch.multiprocessing with any start method, mp.spawn, or a "
+                "subprocess of sys.executable), or audit the training function in one process.",
+            )
+        ]
     return [
         settings_finding(
             "TR003",
             "info",
-            "The script made no optimizer step while audited; the findings cover what ran (an "
-            "inference-only run records no backward ops).",
+            "The script made no optimizer step and ran no backward() while audited"
+            + (f", nor did the {describe_processes(followed)}" if followed else "")
+            + "; the findings cover what ran (an inference-only run records no backward ops).",
             "Audit with arguments under which the script trains (a short config is enough: the audit "
-            "stops after --steps optimizer steps).",
+            "stops after --steps optimizer steps, or backward() steps where no optimizer steps).",
         )
     ]
 
@@ -268,7 +365,7 @@ _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _loaders,
     _tainted_seeds,
     _compile,
-    _no_optimizer_step,
+    _no_training,
 )
 
 
