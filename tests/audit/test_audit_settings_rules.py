@@ -274,3 +274,55 @@ def test_a_loader_in_a_child_is_judged_by_that_childs_seeding() -> None:
     child_loader = {**loader, "seeded": {**_SEEDED, "random": False}, "pid": 2}
     assert [f.code for f in audit_settings(_settings(dataloaders=[child_loader]))] == ["TR304"]
     assert audit_settings(_settings(dataloaders=[{**child_loader, "seeded": _SEEDED}])) == []
+
+
+# --------------------------------------------------------------------------------------------
+# TR501: processes updating one module in shared memory at the same time (hogwild)
+
+_SHARED_UPDATE = {
+    "module": "Linear",
+    "variable": "model",
+    "via": "optimizer",
+    "steps": 3,
+    "first": 1,
+    "last": 3,
+}
+
+
+def _hog(pid: int, started: int, joined: int | None, **kw: Any) -> dict[str, Any]:
+    child = _child(pid, parent_pid=1, started=started, joined=joined, optimizer_steps=3)
+    return {**child, "shared_updates": [_SHARED_UPDATE], **kw}
+
+
+def _tr501(procs: list[dict[str, Any]], **settings: Any) -> list[Any]:
+    found = audit_settings(_settings(processes=procs, **settings))
+    return [f for f in found if f.code == "TR501"]
+
+
+def test_two_processes_updating_a_shared_model_at_once_is_an_error() -> None:
+    shared = ({"class": "Linear", "variable": "model", "location": "train.py:8", "params": 2},)
+    (finding,) = _tr501([_MAIN, _hog(2, 1, 3), _hog(3, 2, 4)], shared_modules=shared)
+    assert (finding.severity, finding.location) == ("error", "train.py:11")
+    assert finding.message.startswith("The 2 child processes started at train.py:11 (target train) update")
+    assert "Linear `model`, put in shared memory at train.py:8" in finding.message
+    assert "DistributedDataParallel" in finding.fix
+    # never joined: they run to the end together
+    assert _tr501([_MAIN, _hog(2, 1, None), _hog(3, 2, None)])
+
+
+def test_the_script_updating_the_shared_model_while_its_child_does() -> None:
+    main = {**_MAIN, "optimizer_steps": 3, "shared_updates": [{**_SHARED_UPDATE, "first": 2, "last": 4}]}
+    (finding,) = _tr501([main, _hog(2, 1, 5)])
+    assert "and the script's own process update" in finding.message
+    # control: the script updates it only after joining its child
+    after = {**main, "shared_updates": [{**_SHARED_UPDATE, "first": 6, "last": 8}]}
+    assert _tr501([after, _hog(2, 1, 5)]) == []
+
+
+def test_no_hogwild_without_two_concurrent_shared_updaters() -> None:
+    # one process updating the shared model
+    assert _tr501([_MAIN, _hog(2, 1, 2)]) == []
+    # two, one after the other (each joined before the next starts)
+    assert _tr501([_MAIN, _hog(2, 1, 2), _hog(3, 3, 4)]) == []
+    # two at once, each training a model of its own (DDP-style): no shared updates
+    assert _tr501([_MAIN, _hog(2, 1, 3, shared_updates=[]), _hog(3, 2, 4, shared_updates=[])]) == []

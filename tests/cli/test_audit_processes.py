@@ -84,3 +84,31 @@ def test_a_child_the_audit_could_not_follow_is_named(capsys: pytest.CaptureFixtu
     assert "inference-only" not in message
     (child,) = [p for p in report["processes"] if not p["main"]]
     assert (child["followed"], child["start_method"]) == (False, "fork")
+
+
+@pytest.mark.slow
+def test_processes_training_one_shared_model_at_once_are_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    script = SCRIPTS / "hogwild.py"
+    start, share = _line(script, "p.start()  # together"), _line(script, "model.share_memory()")
+    for mode in ("hogwild", "spawn"):
+        finding = _codes(_audit(capsys, _rel(script), mode))["TR501"]
+        assert (finding["severity"], finding["location"]) == ("error", start)
+        assert finding["message"].startswith(
+            f"The 2 child processes started at {start} (target train) update"
+        )
+        assert f"Linear `model`, put in shared memory at {share}" in finding["message"], mode
+    finding = _codes(_audit(capsys, _rel(script), "parent"))["TR501"]
+    assert (
+        f"The 1 child process started at {start} (target train) and the script's own process"
+        in (finding["message"])
+    )
+
+
+@pytest.mark.slow
+def test_one_updater_sequential_updaters_and_own_models_are_not_hogwild(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for mode in ("one", "sequential", "own"):
+        report = _audit(capsys, _rel(SCRIPTS / "hogwild.py"), mode)
+        assert "TR501" not in _codes(report), mode
+        assert report["training_processes"] == (1 if mode == "one" else 2)

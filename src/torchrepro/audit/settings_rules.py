@@ -353,6 +353,80 @@ def _no_training(run: _Run) -> list[Finding]:
     ]
 
 
+def _overlap(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two processes one parent started ran at once: each started before the other was
+    joined (positions on the parent's clock; never joined: to the end)."""
+    end_a, end_b = a.get("joined"), b.get("joined")
+    start_a, start_b = a.get("started"), b.get("started")
+    if not isinstance(start_a, int) or not isinstance(start_b, int):
+        return True  # a start the parent did not see: no proof they were apart
+    return (end_b is None or start_a < end_b) and (end_a is None or start_b < end_a)
+
+
+def _during(parent: Mapping[str, Any], child: Mapping[str, Any]) -> bool:
+    """Whether a parent updated shared parameters while ``child`` ran (between its start and join)."""
+    start, end = child.get("started"), child.get("joined")
+    if not isinstance(start, int):
+        return False
+    return any(
+        isinstance(u.get("last"), int) and u["last"] > start and (end is None or u.get("first", 0) < end)
+        for u in parent.get("shared_updates") or ()
+    )
+
+
+def _hogwild(run: _Run) -> list[Finding]:
+    """TR501: processes update the parameters of one module in shared memory at the same time."""
+    procs = [p for p in processes(run.settings) if p.get("followed", True)]
+    updaters = [p for p in procs if p.get("shared_updates")]
+    together: dict[Any, Mapping[str, Any]] = {}
+    for i, a in enumerate(updaters):
+        for b in updaters[i + 1 :]:
+            same_parent = (
+                a.get("parent_pid") == b.get("parent_pid") and not a.get("main") and not b.get("main")
+            )
+            if (same_parent and _overlap(a, b)) or (
+                (b.get("parent_pid") == a.get("pid") and _during(a, b))
+                or (a.get("parent_pid") == b.get("pid") and _during(b, a))
+            ):
+                together[a.get("pid")] = a
+                together[b.get("pid")] = b
+    if len(together) < 2:
+        return []
+    group = list(together.values())
+    updates = [u for p in group for u in p.get("shared_updates") or ()]
+    module = next((u.get("module") for u in updates if u.get("module")), None) or "a module"
+    variable = next((u.get("variable") for u in updates if u.get("variable")), None)
+    shared = next((m for m in run.settings.shared_modules if m.get("class") == module), None) or next(
+        iter(run.settings.shared_modules), None
+    )
+    if shared is not None:
+        variable = shared.get("variable") or variable
+    what = module + (f" `{variable}`" if variable else "")
+    if shared is not None and shared.get("location"):
+        what += f", put in shared memory at {shared['location']}"
+    children = [p for p in group if not p.get("main")]
+    who = describe_processes(children)
+    if len(children) < len(group):
+        who += " and the script's own process"
+    steps = sum(int(u.get("steps") or 0) for u in updates)
+    location = next((p.get("location") for p in children if p.get("location")), None)
+    return [
+        settings_finding(
+            "TR501",
+            "error",
+            f"The {who} update the parameters of one module in shared memory at the same time "
+            f"(hogwild): {what} ({steps} step(s) on it seen). Which update lands first, and which "
+            "gradient was computed from which weights, depends on the OS scheduler, so the weights "
+            "differ from run to run whatever the seeds and switches.",
+            "Train in one process, or synchronise: each process its own copy of the model with "
+            "DistributedDataParallel (gradients all-reduced in lock-step), or an explicit all-reduce "
+            "of the gradients before every step. A lock around the step serialises the updates but "
+            "not their order.",
+            location,
+        )
+    ]
+
+
 _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _hash_randomization,
     _cublas_workspace,
@@ -365,6 +439,7 @@ _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _loaders,
     _tainted_seeds,
     _compile,
+    _hogwild,
     _no_training,
 )
 
