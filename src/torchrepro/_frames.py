@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 from types import CodeType, FrameType
 from typing import Final
 
-__all__ = ["FRAMEWORKS", "Walker", "user_frame", "user_site"]
+__all__ = ["FRAMEWORKS", "Walker", "is_user", "user_frame", "user_site"]
 
 FRAMEWORKS: Final[Mapping[str, str]] = {
     "lightning": "lightning",
@@ -204,3 +204,8 @@ def user_frame(frame: FrameType | None = None) -> FrameType | None:
     """The user's frame in the stack ``frame`` starts (default: the caller's), as ``user_site``
     finds its line; None when the stack holds none."""
     return _CHILD.frame(frame or sys._getframe(1))
+
+
+def is_user(frame: FrameType) -> bool:
+    """Whether ``frame`` runs the user's code (what ``user_frame`` would stop at), in one lookup."""
+    return _CHILD.kind(frame.f_code) == USER

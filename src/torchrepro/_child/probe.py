@@ -37,7 +37,8 @@ import torch
 
 from torchrepro import recorder as _recorder
 from torchrepro import runrecord
-from torchrepro._frames import user_frame, user_site
+from torchrepro._child.sources import seed_source
+from torchrepro._frames import is_user, user_frame, user_site
 from torchrepro._io import atomic_write_json
 from torchrepro._runtime import cuda_started
 from torchrepro.audit.settings import ProbeSettings
@@ -271,6 +272,11 @@ def _sampler_facts(loader: Any, given: str | None) -> dict[str, Any]:
     }
 
 
+def _code(function: Any) -> Any:
+    """A function's code object (typed loosely: ``functools.wraps`` hides it from mypy)."""
+    return function.__code__
+
+
 def _target_name(target: Any, args: Sequence[Any] = ()) -> str | None:
     """The name of a process's target (``mp.spawn``: the function it wraps)."""
     if target is None:
@@ -370,6 +376,9 @@ class SettingsProbe:
         self.seeded: dict[str, bool] = {}
         self.tainted_seeds: list[dict[str, Any]] = []
         self._drawn: dict[int, str] = {}  # values unseeded sources returned -> the source
+        self._drawn_objects: dict[int, tuple[Any, str]] = {}  # id -> (int object returned, source)
+        self._sites: dict[tuple[str, int], str] = {}  # (file, line) an unseeded source was called from
+        self._wrapper_codes: set[Any] = set()
         self._probed: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(dataset) -> (dataset, probe)
 
     def install(self) -> None:
@@ -554,9 +563,8 @@ class SettingsProbe:
         tensor_share: Any = torch.Tensor.share_memory_
 
         def note(obj: Any, method: str, tensors: list[torch.Tensor]) -> None:
-            caller = sys._getframe(2)
-            frame = user_frame(caller)
-            if frame is None or frame is not caller or len(probe.shared_modules) >= 100:
+            frame = sys._getframe(2)
+            if not is_user(frame) or len(probe.shared_modules) >= 100:
                 return  # called by a library (a module sharing its tensors), not by the script
             location = _user_location()
             if any(m["location"] == location and m["_id"] == id(obj) for m in probe.shared_modules):
@@ -672,22 +680,38 @@ class SettingsProbe:
         wrap(fn, "embedding_bag", embedding_bag)
 
     def _watch_seeding(self) -> None:
-        """Wrap the global seeding functions, and the unseeded sources a seed may be drawn from.
+        """Wrap the seeding functions, and the unseeded sources a seed may be drawn from.
 
-        A seeding call counts for its RNG when its value is not one an unseeded source returned
-        (``random.randint`` before any ``random.seed``, ``np.random.randint`` likewise,
-        ``secrets``, ``os.urandom``, ``torch.seed()``; values of 2**16 and up, so a small constant
-        is never mistaken for one), not the clock (within an hour of now, in s, ms, us or ns), and
-        not ``seed()`` from OS entropy.
-        Calls made while a DataLoader fetches (a dataset seeding itself per index) do not count.
+        Seeding: ``random.seed``, ``np.random.seed``, ``torch.manual_seed`` (the global RNGs),
+        ``torch.Generator(...).manual_seed``/``.seed`` (``torch.Generator`` becomes a subclass
+        whose instances pass every ``isinstance`` check and pickle as plain generators) and
+        ``np.random.default_rng``. Sources: ``random.randint``/``randrange``/``getrandbits``/
+        ``random`` before any ``random.seed``, ``np.random.randint`` likewise, ``secrets``,
+        ``os.urandom``, ``torch.seed()``, the clock (``time.time``/``time_ns``) and the process
+        id (``os.getpid``). A seed is tainted (TR305) when its value is an object such a source
+        returned (by identity: never a small cached int), a value of 2**16 and up one returned
+        (so a small constant is never mistaken for one), the clock (within an hour of now, in
+        s, ms, us or ns), ``seed()`` from OS entropy, or, read from the script's own source
+        (``_child.sources``), an expression that called such a source on a line where the probe
+        saw it called unseeded. A global seeding call counts as seeding its RNG when untainted;
+        calls made while a DataLoader fetches (a dataset seeding itself per index) do not count.
         """
         import random
         import secrets
+        import time
 
         probe = self
         numpy = _numpy()
 
-        def unseeded_source(owner: Any, name: str, source: str, rng: str | None, to_int: Any = int) -> None:
+        def unseeded_source(
+            owner: Any,
+            name: str,
+            source: str,
+            rng: str | None,
+            to_int: Any = None,
+            *,
+            user_only: bool = False,
+        ) -> None:
             original = getattr(owner, name, None)
             if original is None:
                 return
@@ -695,13 +719,13 @@ class SettingsProbe:
             @functools.wraps(original)
             def wrapper(*a: Any, **kw: Any) -> Any:
                 value = original(*a, **kw)
-                if (rng is None or not probe.seeded.get(rng)) and len(probe._drawn) < 10_000:
+                if rng is None or not probe.seeded.get(rng):
                     with contextlib.suppress(Exception):
-                        for v in to_int(value):
-                            if abs(v) >= 2**16:  # a small constant seed (0, 42) is never taken for one
-                                probe._drawn.setdefault(v, source)
+                        probe._drawn_from(source, value, sys._getframe(1), to_int, user_only=user_only)
                 return value
 
+            wrapper._torchrepro_source = source  # type: ignore[attr-defined]
+            probe._wrapper_codes.add(_code(wrapper))
             setattr(owner, name, wrapper)
 
         def ints(value: Any) -> list[int]:
@@ -718,17 +742,22 @@ class SettingsProbe:
                 value = a[0] if a else next(iter(kw.values()), None)
                 with contextlib.suppress(Exception):
                     if not _in_loader_fetch():
-                        probe._on_seed(rng, what, value)
+                        probe._on_seed(rng, what, value, sys._getframe(1))
                 return original(*a, **kw)
 
             setattr(owner, name, wrapper)
 
         for name in ("randint", "randrange", "getrandbits"):
             unseeded_source(random, name, f"random.{name}", "random", ints)
+        unseeded_source(random, "random", "random.random", "random")
         for name in ("randbits", "randbelow"):
             unseeded_source(secrets, name, f"secrets.{name}", None, ints)
         unseeded_source(os, "urandom", "os.urandom", None, from_bytes)
         unseeded_source(torch, "seed", "torch.seed()", None, ints)
+        # called by libraries all the time: noted only where the script calls them
+        unseeded_source(time, "time", "time.time", None, user_only=True)
+        unseeded_source(time, "time_ns", "time.time_ns", None, user_only=True)
+        unseeded_source(os, "getpid", "os.getpid", None, user_only=True)
         entropy_seed = torch.seed
 
         @functools.wraps(entropy_seed)
@@ -737,15 +766,97 @@ class SettingsProbe:
             return entropy_seed()
 
         torch.seed = torch_seed
+        self._wrapper_codes.add(_code(torch_seed))
         seeding(random, "seed", "random", "random.seed")
         seeding(torch, "manual_seed", "torch", "torch.manual_seed")
+        self._watch_generators()
         if numpy is not None:
             unseeded_source(
                 numpy.random, "randint", "np.random.randint", "numpy", lambda v: numpy.ravel(v)[:1]
             )
             seeding(numpy.random, "seed", "numpy", "np.random.seed")
+            default_rng = numpy.random.default_rng
 
-    def _on_seed(self, rng: str, what: str, value: Any) -> None:
+            @functools.wraps(default_rng)
+            def default_rng_(*a: Any, **kw: Any) -> Any:
+                value = a[0] if a else kw.get("seed")
+                with contextlib.suppress(Exception):
+                    frame = sys._getframe(1)
+                    if value is not None and is_user(frame):  # None: OS entropy, TR306's
+                        probe._on_seed("numpy_generator", "np.random.default_rng", value, frame)
+                return default_rng(*a, **kw)
+
+            numpy.random.default_rng = default_rng_
+
+    def _watch_generators(self) -> None:
+        """Make ``torch.Generator(...)`` a subclass instance whose seeding the probe notes.
+
+        ``torch._C.Generator`` is a C type (its methods cannot be replaced), so ``torch.Generator``
+        becomes a subclass: ``isinstance(x, torch.Generator)`` still holds for every generator
+        (torch's own default ones included), every op and ``DataLoader(generator=...)`` takes it,
+        and it pickles (``torch.save``) as a plain ``torch.Generator``. Only seeding called
+        from the script's own code is noted (not torch's samplers seeding theirs).
+        """
+        base: Any = torch.Generator
+        probe = self
+
+        class _Meta(type(base)):  # type: ignore[misc]
+            def __instancecheck__(cls, obj: Any) -> bool:
+                return isinstance(obj, base)
+
+            def __subclasscheck__(cls, sub: Any) -> bool:
+                return issubclass(sub, base)
+
+        def note(value: Any, what: str) -> None:
+            with contextlib.suppress(Exception):
+                frame = sys._getframe(2)
+                if is_user(frame):
+                    probe._on_seed("generator", what, value, frame)
+
+        class Generator(base, metaclass=_Meta):  # type: ignore[misc]
+            __doc__ = base.__doc__
+
+            def manual_seed(self, seed: Any) -> Any:
+                note(seed, "torch.Generator().manual_seed")
+                return super().manual_seed(seed)
+
+            def seed(self) -> Any:
+                note(None, "torch.Generator().seed")
+                return super().seed()
+
+            def __reduce__(self) -> Any:
+                reduced = super().__reduce__()
+                return (base, *reduced[1:])
+
+        Generator.__module__ = base.__module__
+        Generator.__qualname__ = Generator.__name__ = "Generator"
+        torch.Generator = Generator  # type: ignore[misc]
+
+    def _drawn_from(self, source: str, value: Any, frame: Any, to_int: Any, *, user_only: bool) -> None:
+        """An unseeded source returned ``value`` to ``frame``'s line: note the line (for the
+        source tracing of ``_child.sources``), the object (by identity), and large values."""
+        import numbers
+
+        while frame is not None and frame.f_code in self._wrapper_codes:
+            frame = frame.f_back  # a wrapper of ours calling another
+        if frame is None or frame.f_code.co_filename == __file__ or (user_only and not is_user(frame)):
+            return  # the probe's own call, or (the clock, the pid) a library's
+        if len(self._sites) < 10_000:
+            self._sites.setdefault((frame.f_code.co_filename, frame.f_lineno), source)
+        small = isinstance(value, int) and -5 <= value <= 256  # cached: one object for every 42
+        if isinstance(value, numbers.Integral) and not small and len(self._drawn_objects) < 10_000:
+            self._drawn_objects.setdefault(id(value), (value, source))
+        if to_int is not None and len(self._drawn) < 10_000:
+            for v in to_int(value):
+                if abs(v) >= 2**16:  # a small constant seed (0, 42) is never taken for one
+                    self._drawn.setdefault(v, source)
+
+    def _confirmed(self, filename: str, first: int, last: int, source: str) -> bool:
+        return any(self._sites.get((filename, line)) == source for line in range(first, last + 1))
+
+    def _on_seed(self, rng: str, what: str, value: Any, frame: Any = None) -> None:
+        """A seeding call (``rng``: ``random``, ``numpy``, ``torch`` for the global RNGs, else a
+        generator's kind) with ``value``, made from ``frame``'s line."""
         import operator
         import time
 
@@ -756,18 +867,31 @@ class SettingsProbe:
                 number = operator.index(value)
             except TypeError:
                 number = None
-            source = None if number is None else self._drawn.get(number)
+            drawn = self._drawn_objects.get(id(value))
+            source = drawn[1] if drawn is not None and drawn[0] is value else None
+            if source is None and number is not None:
+                source = self._drawn.get(number)
             if number is not None and source is None and number > 10**9:
                 # the clock in seconds, milliseconds or nanoseconds, within an hour of now
                 now = time.time()
                 if any(abs(number / scale - now) < 3600 for scale in (1, 10**3, 10**6, 10**9)):
                     source = "the current time"
-        self.seeded[rng] = source is None
+            if source is None and frame is not None and is_user(frame):  # the script's own call
+                with contextlib.suppress(Exception):
+                    source = seed_source(frame, self._confirmed)
+        if rng in _GLOBAL_RNGS:
+            self.seeded[rng] = source is None
         if source is not None and len(self.tainted_seeds) < 100:
             location, framework = user_site()
-            self.tainted_seeds.append(
-                {"call": what, "rng": rng, "location": location, "source": source, "framework": framework}
-            )
+            record = {
+                "call": what,
+                "rng": rng,
+                "location": location,
+                "source": source,
+                "framework": framework,
+            }
+            if record not in self.tainted_seeds:
+                self.tainted_seeds.append(record)
 
     def _record_loader(self, loader: Any, arguments: Mapping[str, Any]) -> None:
         import weakref

@@ -26,6 +26,8 @@ _RNG_NAMES = {
     "random": "Python's global random",
     "numpy": "NumPy's global RNG",
     "torch": "torch's global RNG",
+    "generator": "a torch.Generator",
+    "numpy_generator": "a NumPy Generator",
 }
 _RNG_SEEDS = {"random": "random.seed(0)", "numpy": "np.random.seed(0)", "torch": "torch.manual_seed(0)"}
 _FRAMEWORK_FIX = {
@@ -185,6 +187,10 @@ def tainted_seed_finding(call: Mapping[str, Any]) -> Finding:
         origin = "OS entropy (no seed given)"
     elif source == "the current time":
         origin = "the current time"
+    elif source.startswith("time."):
+        origin = f"the current time ({source})"
+    elif source == "os.getpid":
+        origin = "the process id (os.getpid: another one every run)"
     elif source.startswith(("random.", "np.random.")):
         origin = f"a value drawn from {source} before anything seeded that RNG"
     else:
