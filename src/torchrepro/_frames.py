@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 from types import CodeType, FrameType
 from typing import Final
 
-__all__ = ["FRAMEWORKS", "Walker", "is_user", "user_frame", "user_site"]
+__all__ = ["FRAMEWORKS", "Walker", "is_user", "shown", "user_frame", "user_site"]
 
 FRAMEWORKS: Final[Mapping[str, str]] = {
     "lightning": "lightning",
@@ -209,3 +209,8 @@ def user_frame(frame: FrameType | None = None) -> FrameType | None:
 def is_user(frame: FrameType) -> bool:
     """Whether ``frame`` runs the user's code (what ``user_frame`` would stop at), in one lookup."""
     return _CHILD.kind(frame.f_code) == USER
+
+
+def shown(filename: str) -> str:
+    """``filename`` as ``user_site`` shows it in a location."""
+    return _CHILD.show(filename)

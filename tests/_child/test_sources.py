@@ -125,3 +125,45 @@ def test_a_parameter_is_not_traced_into_the_caller(scripted: tuple[types.ModuleT
     module, found = scripted
     module.parameter(module.seed, module.randint(1, 10000))
     assert found == [None]
+
+
+SWITCHES = """
+import torch
+from torch.backends import cudnn
+
+if torch.cuda.is_available():
+    torch.backends.cudnn.benchmark = True
+    torch.set_float32_matmul_precision("high")
+elif args.fast:
+    cudnn.allow_tf32 = True
+else:
+    torch.backends.cuda.matmul.allow_tf32 = False
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cudnn.benchmark = args.benchmark
+torch.backends.cudnn.benchmark = (
+    True
+)
+"""
+
+
+def test_switch_statements_with_literal_values_and_what_decides_them(tmp_path: Path) -> None:
+    from torchrepro._child.sources import switch_statements
+
+    path = tmp_path / "train.py"
+    path.write_text(SWITCHES)
+    found = [
+        (s["line"], s["switch"], s["value"], s["condition"], s["cuda"]) for s in switch_statements(str(path))
+    ]
+    assert found == [
+        (6, "cudnn_benchmark", True, "if torch.cuda.is_available()", True),
+        (7, "float32_matmul_precision", "high", "if torch.cuda.is_available()", True),
+        (9, "cudnn_allow_tf32", True, "if args.fast", False),  # the elif's own test decides it
+        (11, "cuda_matmul_allow_tf32", False, "else of if args.fast", False),
+        (12, "deterministic_algorithms", True, None, False),
+        # line 13 (a value only known at run time) is not one
+        (14, "cudnn_benchmark", True, None, False),
+    ]
+    (deterministic,) = [s for s in switch_statements(str(path)) if s["line"] == 12]
+    assert deterministic["warn_only"] is True
+    assert deterministic["text"] == "torch.use_deterministic_algorithms(True, warn_only=True)"
+    assert switch_statements(str(path))[-1]["end_line"] == 16

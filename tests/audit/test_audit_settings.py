@@ -126,3 +126,14 @@ def test_merge_processes_sums_steps_and_judges_the_process_that_trained(tmp_path
     # one process: its own settings, listed alone
     alone = merge_processes(main)
     assert alone.process["pid"] == 10 and [p["pid"] for p in alone.processes] == [10, 20, 30, 40]
+
+
+def test_merge_processes_keeps_one_switch_statement_per_line_run_if_it_ran_anywhere(tmp_path: Path) -> None:
+    from torchrepro.audit.settings import merge_processes
+
+    base = ProbeSettings.from_dict(_snapshot(tmp_path))
+    line = {"switch": "cudnn_benchmark", "value": True, "location": "train.py:7"}
+    main = _process(base, 10, main=True, switch_statements=({**line, "ran": False},))
+    child = _process(base, 20, optimizer_steps=1, switch_statements=({**line, "ran": True},))
+    assert [s["ran"] for s in merge_processes(main, [child]).switch_statements] == [True]
+    assert [s["ran"] for s in merge_processes(main).switch_statements] == [False]

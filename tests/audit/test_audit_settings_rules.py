@@ -326,3 +326,75 @@ def test_no_hogwild_without_two_concurrent_shared_updaters() -> None:
     assert _tr501([_MAIN, _hog(2, 1, 2), _hog(3, 3, 4)]) == []
     # two at once, each training a model of its own (DDP-style): no shared updates
     assert _tr501([_MAIN, _hog(2, 1, 3, shared_updates=[]), _hog(3, 2, 4, shared_updates=[])]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Switches set on lines that did not run (a branch only a GPU takes)
+
+
+def _statement(switch: str, value: Any, *, ran: bool = False, cuda: bool = True, **kw: Any) -> dict[str, Any]:
+    condition = "if torch.cuda.is_available()" if cuda else "if args.fast"
+    return {
+        "switch": switch,
+        "value": value,
+        "text": f"{switch} = {value}",
+        "location": "train.py:7",
+        "condition": condition,
+        "cuda": cuda,
+        "ran": ran,
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    ("statement", "settings", "events", "expected"),
+    [
+        (_statement("cudnn_benchmark", True), {}, [], [("TR203", "warning")]),
+        (_statement("cuda_matmul_allow_tf32", True), {}, [], [("TR204", "info")]),
+        (_statement("float32_matmul_precision", "high"), {}, [], [("TR204", "info")]),
+        (_statement("cudnn_allow_tf32", True), {}, CONV, [("TR204", "info")]),
+        (_statement("cudnn_allow_tf32", True), {}, [], []),  # no convolution: TF32 convs do not matter
+        (
+            _statement("deterministic_algorithms", False),
+            {"cudnn_deterministic": False},
+            CONV,
+            [("TR205", "warning")],
+        ),
+        (
+            _statement("deterministic_algorithms", True, warn_only=True),
+            {"cudnn_deterministic": False},
+            CONV,
+            [("TR206", "warning")],
+        ),
+        # a condition that does not name CUDA: one step lower
+        (_statement("cudnn_benchmark", True, cuda=False), {}, [], [("TR203", "info")]),
+        # the fix, on a branch: nothing
+        (_statement("cudnn_benchmark", False), {}, [], []),
+        # the line ran: the runtime rule alone reports it (once)
+        (
+            _statement("cudnn_benchmark", True, ran=True),
+            {"cudnn_benchmark": True},
+            [],
+            [("TR203", "warning")],
+        ),
+        # on at runtime already, from another line: reported once, by the runtime rule
+        (_statement("cudnn_benchmark", True), {"cudnn_benchmark": True}, [], [("TR203", "warning")]),
+    ],
+)
+def test_switches_on_lines_that_did_not_run(
+    statement: dict[str, Any], settings: dict[str, Any], events: list[dict[str, Any]], expected: list[Any]
+) -> None:
+    found = audit_settings(_settings(switch_statements=[statement], **settings), events=events)
+    assert [(f.code, f.severity) for f in found if f.code != "TR120"] == expected
+
+
+def test_a_switch_on_a_cuda_branch_says_where_and_what_it_would_set() -> None:
+    (finding,) = audit_settings(_settings(switch_statements=[_statement("cudnn_benchmark", True)]))
+    assert finding.location == "train.py:7"
+    assert (
+        "(on a branch not taken in this run: line 7, under `if torch.cuda.is_available()`)" in finding.message
+    )
+    assert "on CUDA it turns cuDNN benchmarking on" in finding.message
+    (lower,) = audit_settings(_settings(switch_statements=[_statement("cudnn_benchmark", True, cuda=False)]))
+    assert "line that did not run in this audit: line 7, under `if args.fast`" in lower.message
+    assert "one step lower" in lower.message

@@ -51,3 +51,26 @@ def test_seeds_from_unseeded_sources_whatever_their_size(capsys: pytest.CaptureF
     # control: the same draws once their RNGs are seeded, and no clock
     report = _audit(capsys, _rel(script), "seeded")
     assert [f for f in report["findings"] if f["code"] == "TR305"] == []
+
+
+def test_switches_set_only_on_cuda_are_read_from_the_source(capsys: pytest.CaptureFixture[str]) -> None:
+    script = SCRIPTS / "cuda_branch.py"
+    switches = ("TR203", "TR204", "TR205", "TR206")
+    report = _audit(capsys, _rel(script))
+    found = {(f["code"], f["location"]): f for f in report["findings"] if f["code"] in switches}
+    (benchmark,) = _lines(script, "cudnn.benchmark = True")
+    (tf32,) = _lines(script, "matmul.allow_tf32 = True")
+    (precision,) = _lines(SCRIPTS / "cuda_branch_setup.py", "set_float32_matmul_precision")
+    assert {(code, where, f["severity"]) for (code, where), f in found.items()} == {
+        ("TR203", benchmark, "warning"),
+        ("TR204", tf32, "info"),
+        ("TR204", precision, "info"),  # an imported module of the script's own directory
+    }
+    message = found[("TR203", benchmark)]["message"]
+    line = benchmark.rpartition(":")[2]
+    assert f"on a branch not taken in this run: line {line}, under `if torch.cuda.is_available()" in message
+    assert "under `if fast`" in found[("TR204", precision)]["message"]
+    # control: the same lines run, and each setting is reported once, by what ran
+    report = _audit(capsys, _rel(script), "everywhere")
+    found_codes = sorted((f["code"], f["location"]) for f in report["findings"] if f["code"] in switches)
+    assert found_codes == [("TR203", None), ("TR204", None)]

@@ -37,8 +37,8 @@ import torch
 
 from torchrepro import recorder as _recorder
 from torchrepro import runrecord
-from torchrepro._child.sources import seed_source
-from torchrepro._frames import is_user, user_frame, user_site
+from torchrepro._child.sources import seed_source, switch_statements
+from torchrepro._frames import is_user, shown, user_frame, user_site
 from torchrepro._io import atomic_write_json
 from torchrepro._runtime import cuda_started
 from torchrepro.audit.settings import ProbeSettings
@@ -50,6 +50,7 @@ _WORKER_MODULE = "torch.utils.data._utils.worker"
 """The module of the DataLoader worker loop: a ``Process`` target that is never followed."""
 _SPAWN_WRAPPER_MODULE = "torch.multiprocessing.spawn"
 """``mp.spawn`` starts ``_wrap(fn, i, ...)``: the user's function is its first argument."""
+_TORCHREPRO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SHARED_CHECKED = 256
 """Parameters of a step checked for shared memory (hogwild shares the whole model)."""
 
@@ -379,6 +380,7 @@ class SettingsProbe:
         self._drawn_objects: dict[int, tuple[Any, str]] = {}  # id -> (int object returned, source)
         self._sites: dict[tuple[str, int], str] = {}  # (file, line) an unseeded source was called from
         self._wrapper_codes: set[Any] = set()
+        self._switch_lines: set[tuple[str, int]] = set()  # (file, line) that set a switch
         self._probed: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(dataset) -> (dataset, probe)
 
     def install(self) -> None:
@@ -422,6 +424,7 @@ class SettingsProbe:
             # Record what the script asks for, but only warn: an op that raises under strict mode
             # (max_unpool, put_ on the CPU; many more on CUDA) must not stop the audit at the first.
             probe.requested_deterministic = (bool(mode), bool(warn_only))
+            probe._switch_set(sys._getframe(1))
             original_deterministic(mode, warn_only=True)
 
         torch.use_deterministic_algorithms = use_deterministic_algorithms
@@ -444,12 +447,100 @@ class SettingsProbe:
 
         self._watch_calls()
         self._watch_seeding()
+        self._watch_switches()
         self._watch_processes()
         self._watch_sharing()
         optim_mod.register_optimizer_step_post_hook(after_step)
         atexit.register(self.write)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
+
+    # --- switches set on lines that did not run -------------------------------------------------
+    def _switch_set(self, frame: Any) -> None:
+        """A determinism switch was set: note the user's line that set it."""
+        with contextlib.suppress(Exception):
+            user = user_frame(frame)
+            if user is not None and len(self._switch_lines) < 10_000:
+                self._switch_lines.add((user.f_code.co_filename, user.f_lineno))
+
+    def _watch_switches(self) -> None:
+        """Note the lines that set cuDNN's ``benchmark``/``allow_tf32``/``deterministic``, cuBLAS's
+        ``allow_tf32``, the float32 matmul precision (and, in ``install``, the deterministic
+        algorithms): the statements setting them that the script's source holds on other lines
+        did not run (``_switch_statements``)."""
+        probe = self
+        cudnn_cls: Any = type(torch.backends.cudnn)
+        for name in ("benchmark", "allow_tf32", "deterministic"):
+            prop = cudnn_cls.__dict__.get(name)
+            if prop is None or not hasattr(prop, "__set__"):
+                continue
+
+            class _Noted:
+                def __init__(self, prop: Any) -> None:
+                    self.prop = prop
+
+                def __get__(self, obj: Any, objtype: Any = None) -> Any:
+                    return self.prop.__get__(obj, objtype)
+
+                def __set__(self, obj: Any, value: Any) -> None:
+                    probe._switch_set(sys._getframe(1))
+                    self.prop.__set__(obj, value)
+
+            setattr(cudnn_cls, name, _Noted(prop))
+        matmul_cls: Any = type(torch.backends.cuda.matmul)
+        original_setattr = matmul_cls.__setattr__
+
+        def setattr_(obj: Any, name: str, value: Any) -> Any:
+            if name == "allow_tf32":
+                probe._switch_set(sys._getframe(1))
+            return original_setattr(obj, name, value)
+
+        matmul_cls.__setattr__ = setattr_
+        original_precision = torch.set_float32_matmul_precision
+
+        @functools.wraps(original_precision)
+        def set_float32_matmul_precision(precision: str) -> None:
+            probe._switch_set(sys._getframe(1))
+            original_precision(precision)
+
+        torch.set_float32_matmul_precision = set_float32_matmul_precision
+
+    def _user_files(self) -> list[str]:
+        """The script and the modules imported from its directory tree (not installed packages,
+        not torchrepro), as their code names them."""
+        main = sys.modules.get("__main__")
+        script = getattr(main, "__file__", None)
+        if not isinstance(script, str):
+            return []
+        root = os.path.dirname(os.path.abspath(script)) + os.sep
+        files = [script]
+        for module in list(sys.modules.values()):
+            path = getattr(module, "__file__", None)
+            if not isinstance(path, str) or not path.endswith(".py") or path == script:
+                continue
+            absolute = os.path.abspath(path)
+            parts = absolute.split(os.sep)
+            if (
+                absolute.startswith(root)
+                and not absolute.startswith(_TORCHREPRO_DIR)
+                and "site-packages" not in parts
+                and "dist-packages" not in parts
+            ):
+                files.append(path)
+        return files[:200]
+
+    def _switch_statements(self) -> list[dict[str, Any]]:
+        """The switch statements of the user's files, each with whether it ran (its line set a
+        switch in this process)."""
+        out = []
+        for filename in self._user_files():
+            with contextlib.suppress(Exception):
+                for statement in switch_statements(filename):
+                    lines = range(statement["line"], statement["end_line"] + 1)
+                    ran = any((filename, n) in self._switch_lines for n in lines)
+                    record = {k: v for k, v in statement.items() if k not in ("line", "end_line")}
+                    out.append({**record, "location": f"{shown(filename)}:{statement['line']}", "ran": ran})
+        return out
 
     # --- processes ---------------------------------------------------------------------------
     def _tick(self) -> int:
@@ -989,6 +1080,7 @@ class SettingsProbe:
                 {k: v for k, v in m.items() if not k.startswith("_")} for m in self.shared_modules
             ),
             shared_updates=tuple(dict(u) for u in self._shared_updates.values()),
+            switch_statements=tuple(self._switch_statements()),
         )
 
     def write(self) -> None:

@@ -1,4 +1,5 @@
-"""The user's source, read with ``ast``: where the value a seeding call was given came from.
+"""The user's source, read with ``ast``: where the value a seeding call was given came from, and
+the determinism switches a file sets (``switch_statements``).
 
 The audit's probe (``_child.probe``) asks this when a seed does not identify itself (a value an
 unseeded source returned, compared by identity or, from 2**16 up, by value): a seed such as
@@ -13,6 +14,10 @@ Invariants:
   that frame, to one of the probe's wrapped sources *and* the probe saw that source called from
   that line while it was unseeded (``confirmed``). So a constant (``torch.manual_seed(42)``),
   a parameter, an attribute or a branch that did not run is never taken for a drawn value.
+- A switch statement is an assignment to ``...cudnn.benchmark``, ``...cudnn.allow_tf32``,
+  ``...cudnn.deterministic``, ``...matmul.allow_tf32`` or a call of
+  ``...set_float32_matmul_precision`` / ``...use_deterministic_algorithms``, with a literal value
+  (anything else cannot be judged unrun); the ``if`` deciding it is named as written.
 - Names resolve through modules and classes only (``getattr`` on nothing else: no property of a
   user's object runs); a file is parsed once (through ``linecache``, the source python ran); a
   file that does not parse traces nothing.
@@ -28,7 +33,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["seed_source", "tree"]
+__all__ = ["seed_source", "switch_statements", "tree"]
 
 _TREES: dict[str, ast.Module | None] = {}
 _PARENTS: dict[int, dict[int, ast.AST]] = {}
@@ -211,3 +216,110 @@ def seed_source(frame: types.FrameType, confirmed: Callable[[str, int, int, str]
         return None
 
     return trace(argument, _scope(module, call), call.lineno, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Determinism switches a file sets (the probe reports those on lines that did not run)
+
+_ASSIGNED_SWITCHES = {
+    "cudnn.benchmark": "cudnn_benchmark",
+    "cudnn.allow_tf32": "cudnn_allow_tf32",
+    "cudnn.deterministic": "cudnn_deterministic",
+    "matmul.allow_tf32": "cuda_matmul_allow_tf32",
+}
+"""The end of an assignment's dotted target -> the switch (``ProbeSettings``'s field name)."""
+_CALLED_SWITCHES = {
+    "set_float32_matmul_precision": "float32_matmul_precision",
+    "use_deterministic_algorithms": "deterministic_algorithms",
+}
+"""The end of a call's dotted name -> the switch it sets."""
+_CUDA_WORDS = ("cuda", "gpu", "device")
+_SWITCHES: dict[str, list[dict[str, Any]]] = {}
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def _switch(node: ast.stmt) -> tuple[str, Any, dict[str, Any]] | None:
+    """``(switch, value, extra)`` a statement sets with a literal value, else None."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1:
+        name = _dotted(node.targets[0])
+        value = node.value
+        for suffix, switch in _ASSIGNED_SWITCHES.items():
+            named = name is not None and (name == suffix or name.endswith("." + suffix))
+            if named and isinstance(value, ast.Constant) and isinstance(value.value, bool):
+                return switch, value.value, {}
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        call = node.value
+        name = _dotted(call.func)
+        for suffix, switch in _CALLED_SWITCHES.items():
+            if name is None or not (name == suffix or name.endswith("." + suffix)) or not call.args:
+                continue
+            first = call.args[0]
+            if not isinstance(first, ast.Constant):
+                return None
+            extra: dict[str, Any] = {}
+            for keyword in call.keywords:
+                if keyword.arg == "warn_only" and isinstance(keyword.value, ast.Constant):
+                    extra["warn_only"] = bool(keyword.value.value)
+            return switch, first.value, extra
+    return None
+
+
+def _condition(module: ast.Module, node: ast.AST, text: str) -> tuple[str | None, bool]:
+    """The innermost ``if`` that decides whether ``node`` runs (``if X`` / ``else of if X``), and
+    whether that test names CUDA (a GPU, a device)."""
+    parents = _parents(module)
+    child: ast.AST = node
+    current = parents.get(id(node))
+    while current is not None and not isinstance(
+        current, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)
+    ):
+        if isinstance(current, ast.If):
+            test = ast.get_source_segment(text, current.test) or "..."
+            test = " ".join(test.split())
+            branch = f"if {test}" if child in current.body else f"else of if {test}"
+            return branch, any(w in test.lower() for w in _CUDA_WORDS)
+        child, current = current, parents.get(id(current))
+    return None, False
+
+
+def switch_statements(filename: str) -> list[dict[str, Any]]:
+    """The statements of ``filename`` that set a determinism switch to a literal value: each
+    ``{"text", "switch", "value", "line", "end_line", "condition", "cuda"}`` (plus ``warn_only`` for
+    ``use_deterministic_algorithms``), cached."""
+    if filename not in _SWITCHES:
+        found: list[dict[str, Any]] = []
+        module = tree(filename)
+        if module is not None:
+            text = "".join(linecache.getlines(filename))
+            for node in ast.walk(module):
+                if not isinstance(node, ast.stmt):
+                    continue
+                switch = _switch(node)
+                if switch is None:
+                    continue
+                condition, cuda = _condition(module, node, text)
+                written = " ".join((ast.get_source_segment(text, node) or "").split())
+                found.append(
+                    {
+                        "text": written if len(written) <= 120 else written[:117] + "...",
+                        "switch": switch[0],
+                        "value": switch[1],
+                        **switch[2],
+                        "line": node.lineno,
+                        "end_line": node.end_lineno or node.lineno,
+                        "condition": condition,
+                        "cuda": cuda,
+                    }
+                )
+        _SWITCHES[filename] = sorted(found, key=lambda s: s["line"])
+    return _SWITCHES[filename]

@@ -75,7 +75,10 @@ class ProbeSettings:
     ``started`` the processes it started (``pid``, ``location``, ``target``, ``start_method``, and
     ``started``/``joined``: positions on this process's own clock of starts, joins and shared
     updates), ``shared_modules`` its ``share_memory()`` calls and ``shared_updates`` the steps it
-    made on parameters in shared memory. ``processes`` is empty in what one process writes;
+    made on parameters in shared memory. ``switch_statements``: the statements of the script and
+    of the modules it imported from its own directory that set a determinism switch to a literal
+    value (``switch``, ``value``, ``location``, the ``condition`` deciding it, whether it names
+    ``cuda``), each with whether it ``ran``. ``processes`` is empty in what one process writes;
     :func:`merge_processes` fills it with one summary per process of the run.
 
     >>> from torchrepro._child.probe import SettingsProbe
@@ -111,6 +114,7 @@ class ProbeSettings:
     started: tuple[Mapping[str, Any], ...] = ()
     shared_modules: tuple[Mapping[str, Any], ...] = ()
     shared_updates: tuple[Mapping[str, Any], ...] = ()
+    switch_statements: tuple[Mapping[str, Any], ...] = ()
     processes: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,7 +194,8 @@ def merge_processes(main: ProbeSettings, children: Sequence[ProbeSettings] = ())
       says which;
     - ``optimizer_steps`` and ``backward_steps`` are the sums over every process;
     - the records (loaders, seeds, compile calls, conditions, shared modules and updates,
-      starts) are those of every process; a loader of another process than the judged one
+      starts, switch statements: one per line, run if it ran in any process) are those of every
+      process; a loader of another process than the judged one
       carries that process's ``seeded`` and ``pid``.
     """
     starts: dict[int, dict[str, Any]] = {}
@@ -238,6 +243,13 @@ def merge_processes(main: ProbeSettings, children: Sequence[ProbeSettings] = ())
         pid = record.process.get("pid")
         return [{**loader, "seeded": dict(record.seeded), "pid": pid} for loader in record.dataloaders]
 
+    statements: dict[Any, Mapping[str, Any]] = {}  # a statement ran if it ran in any process
+    for record in records:
+        for statement in record.switch_statements:
+            key = statement.get("location")
+            earlier = statements.get(key)
+            ran = bool(statement.get("ran")) or bool(earlier and earlier.get("ran"))
+            statements[key] = {**(earlier or statement), "ran": ran}
     calls: dict[str, Mapping[str, Any]] = {}
     for record in records:
         for call in record.calls:
@@ -253,5 +265,6 @@ def merge_processes(main: ProbeSettings, children: Sequence[ProbeSettings] = ())
         started=tuple(start for r in records for start in r.started),
         shared_modules=tuple(m for r in records for m in r.shared_modules),
         shared_updates=tuple({**u, "pid": r.process.get("pid")} for r in records for u in r.shared_updates),
+        switch_statements=tuple(statements.values()),
         processes=tuple(summaries),
     )

@@ -272,6 +272,109 @@ def _torch_unseeded(run: _Run) -> list[Finding]:
     ]
 
 
+_LOWER = {"error": "warning", "warning": "info", "info": "info"}
+
+
+def _unrun_switch(run: _Run, statement: Mapping[str, Any]) -> tuple[str, str, str, str] | None:
+    """``(code, severity, effect, fix)`` of a switch statement that did not run, when it would
+    matter (what the runtime rule would report) and the run does not already report it."""
+    s = run.settings
+    switch, value = statement.get("switch"), statement.get("value")
+    tf32_fix = (
+        "Set torch.backends.cuda.matmul.allow_tf32 = False, torch.backends.cudnn.allow_tf32 = False and "
+        "torch.set_float32_matmul_precision('highest') on every device (strict mode does), or drop the line."
+    )
+    if switch == "cudnn_benchmark" and value is True and not s.cudnn_benchmark:
+        return (
+            "TR203",
+            "warning",
+            "turns cuDNN benchmarking on: cuDNN times candidate algorithms and may pick a different one "
+            "each run",
+            "Set torch.backends.cudnn.benchmark = False on every device (strict mode does), or drop "
+            "the line.",
+        )
+    if switch == "cuda_matmul_allow_tf32" and value is True and not s.cuda_matmul_allow_tf32:
+        return ("TR204", "info", "lets float32 matmuls run in TF32 (reduced precision)", tf32_fix)
+    if switch == "cudnn_allow_tf32" and value is True and not s.cudnn_allow_tf32 and run.uses_conv:
+        return ("TR204", "info", "lets the script's convolutions run in TF32 (reduced precision)", tf32_fix)
+    if (
+        switch == "float32_matmul_precision"
+        and value in ("high", "medium")
+        and s.float32_matmul_precision in (None, "highest")
+    ):
+        return ("TR204", "info", f"lowers the float32 matmul precision to {value!r} (TF32 or bf16)", tf32_fix)
+    stays = ", ".join(run.cannot + run.needs_strict)
+    if switch == "deterministic_algorithms" and value is False and s.deterministic_algorithms and stays:
+        return (
+            "TR205",
+            "warning",
+            f"turns the deterministic algorithms off, and the script runs ops nondeterministic on CUDA "
+            f"without them: {stays}",
+            f"Keep strict mode on every device ({_STRICT}).",
+        )
+    if (
+        switch == "deterministic_algorithms"
+        and value is True
+        and statement.get("warn_only")
+        and not (s.deterministic_algorithms and s.warn_only)
+        and stays
+    ):
+        return (
+            "TR206",
+            "warning",
+            f"makes the deterministic algorithms warn-only: {stays} only warn and stay nondeterministic",
+            "Use torch.use_deterministic_algorithms(True) without warn_only on every device.",
+        )
+    if (
+        switch == "cudnn_deterministic"
+        and value is False
+        and s.cudnn_deterministic
+        and not s.deterministic_algorithms
+        and run.uses_conv
+    ):
+        return (
+            "TR205",
+            "warning",
+            "lets cuDNN pick nondeterministic convolution algorithms",
+            f"Keep torch.backends.cudnn.deterministic = True on every device ({_STRICT}).",
+        )
+    return None
+
+
+def _unrun_switches(run: _Run) -> list[Finding]:
+    """TR203-TR206 for a switch set on a line that did not run here (a branch not taken on this
+    machine: ``if torch.cuda.is_available():``), when the runtime rule would report it and does
+    not already. Under a condition naming CUDA (a GPU, a device) the severity is the runtime
+    rule's: that branch is the one a GPU run takes. Elsewhere one step lower: the audit cannot
+    tell whether the script's real runs take it."""
+    out = []
+    for statement in run.settings.switch_statements:
+        if statement.get("ran") is not False:
+            continue
+        judged = _unrun_switch(run, statement)
+        if judged is None:
+            continue
+        code, severity, effect, fix = judged
+        location = str(statement.get("location") or "")
+        line = location.rpartition(":")[2] or "?"
+        text = statement.get("text") or statement.get("switch")
+        condition = statement.get("condition")
+        if statement.get("cuda"):
+            where = f"on a branch not taken in this run: line {line}, under `{condition}`"
+            message = f"`{text}` ({where}): on CUDA it {effect}."
+        else:
+            severity = _LOWER[severity]
+            where = f"on a line that did not run in this audit: line {line}" + (
+                f", under `{condition}`" if condition else ""
+            )
+            message = (
+                f"`{text}` ({where}): when it runs it {effect}. Reported one step lower than if it had "
+                "run: whether the script's real runs take this line, the audit cannot tell."
+            )
+        out.append(settings_finding(code, severity, message, fix, location or None))
+    return out
+
+
 def _loaders(run: _Run) -> list[Finding]:
     """TR301-TR304, TR306: each DataLoader (``audit.loader_rules``)."""
     # a loader of another process than the one the settings were read in carries its seeding
@@ -436,6 +539,7 @@ _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _warn_only,
     _threads,
     _torch_unseeded,
+    _unrun_switches,
     _loaders,
     _tainted_seeds,
     _compile,
