@@ -3,6 +3,7 @@ sampler that draws the order, seeds drawn from unseeded sources, the random-augm
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,60 @@ class Broken(_Sized):
 )
 def test_probe_finds_the_global_rng_a_dataset_draws_from(dataset: Any, expected: dict[str, Any]) -> None:
     # the autouse fixture asserts the probe left every global RNG state as it found it
-    assert _probe_dataset(dataset) == expected
+    found = _probe_dataset(dataset)
+    assert {k: v for k, v in found.items() if k != "sites"} == expected
+    if sys.gettrace() is None:  # a line for each RNG drawn (none under a tracer: coverage, a debugger)
+        assert set(found.get("sites", {})) == set(expected.get("draws", ()))
+
+
+def _draw_line(obj: Any, text: str) -> str:
+    """``file:line`` (as the probe shows it) of the line of ``obj``'s source holding ``text``."""
+    import inspect
+    import os
+
+    lines, first = inspect.getsourcelines(obj)
+    (offset,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{os.path.relpath(inspect.getfile(obj))}:{first + offset}"
+
+
+def _flip(x: float) -> float:
+    import random
+
+    return -x if random.random() < 0.5 else x  # the draw, in a helper __getitem__ calls
+
+
+class DrawsInAHelper(_Sized):
+    def __getitem__(self, i: int) -> float:
+        x = float(i)
+        x = _flip(x)
+        return x
+
+
+class DrawsTwoRngs(_Sized):
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        a = torch.rand(1)
+        b = np.random.uniform()
+        return a, b
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage, a debugger) is on")
+def test_probe_finds_the_line_that_draws() -> None:
+    assert _probe_dataset(DrawsRandom())["sites"] == {"random": _draw_line(DrawsRandom, "random.random()")}
+    assert _probe_dataset(DrawsTwoRngs())["sites"] == {
+        "torch": _draw_line(DrawsTwoRngs, "torch.rand(1)"),
+        "numpy": _draw_line(DrawsTwoRngs, "np.random.uniform()"),
+    }
+    assert _probe_dataset(DrawsInAHelper())["sites"] == {"random": _draw_line(_flip, "random.random()")}
+    # a tracer already on (a debugger, coverage) is left alone: no line, the rest unchanged
+    previous = sys.gettrace()
+    sys.settrace(lambda *a: None)
+    try:
+        found = _probe_dataset(DrawsRandom())
+    finally:
+        sys.settrace(previous)
+    assert found == {"ran": True, "draws": ["random"], "unstable": False}
 
 
 def test_probe_is_not_fooled_by_what_the_source_says() -> None:

@@ -398,3 +398,26 @@ def test_a_switch_on_a_cuda_branch_says_where_and_what_it_would_set() -> None:
     (lower,) = audit_settings(_settings(switch_statements=[_statement("cudnn_benchmark", True, cuda=False)]))
     assert "line that did not run in this audit: line 7, under `if args.fast`" in lower.message
     assert "one step lower" in lower.message
+
+
+def test_a_dataset_draw_is_reported_at_the_line_that_draws() -> None:
+    probe = {**_draws("random", "numpy"), "sites": {"random": "data.py:20", "numpy": "data.py:21"}}
+    (finding,) = audit_settings(
+        _settings(dataloaders=[_loader(probe=probe)], seeded={**_SEEDED, "random": False})
+    )
+    assert finding.code == "TR304" and finding.location == "data.py:20"
+    assert "by the DataLoader at train.py:9) draws from Python's global random here" in finding.message
+    (workers,) = [
+        f
+        for f in audit_settings(
+            _settings(dataloaders=[_loader(num_workers=2, probe=probe)], seeded=_UNSEEDED)
+        )
+        if f.code == "TR304"
+    ]
+    assert (
+        workers.location == "data.py:20"
+        and "DataLoader workers of the DataLoader at train.py:9" in workers.message
+    )
+    # control: without a traced line, the loader's line (as before)
+    (plain,) = audit_settings(_settings(dataloaders=[_loader(probe=_draws("random"))], seeded=_UNSEEDED))
+    assert plain.location == "train.py:9" and "DataLoader at" not in plain.message

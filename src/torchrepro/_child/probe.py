@@ -147,6 +147,8 @@ def _probe_dataset(dataset: Any) -> dict[str, Any]:
     up to ``_PROBE_STATES`` other states and stops at the first difference. Every global RNG
     state is restored afterwards and op tracing is paused, so the script computes what it would
     have. A dataset that seeds itself per index (torchvision's ``FakeData``) draws nothing.
+    When it draws, one more load under the first states, traced line by line, finds the line
+    that draws from each (``sites``: RNG -> ``file:line``, where the findings point).
     Returns ``{"ran": False, "reason": ...}`` when it cannot tell (no ``__len__``, an
     ``IterableDataset``, a load that raises, one slow load or ``_PROBE_BUDGET_S`` in all).
     """
@@ -185,6 +187,7 @@ def _probe_dataset(dataset: Any) -> dict[str, Any]:
         return any(load(changed, seed) != base for seed in range(2, _PROBE_STATES + 2))
 
     saved = _rng_states(numpy)
+    sites: dict[str, str] = {}
     try:
         with _recorder.paused():
             base = load()
@@ -194,13 +197,79 @@ def _probe_dataset(dataset: Any) -> dict[str, Any]:
             draws = []
             if not unstable and differs(names, base):
                 draws = [n for n in names if differs((n,), base)] or names  # only together: all
+            if draws:
+                _set_rng_states(fixed[1], numpy)
+                with contextlib.suppress(Exception):
+                    sites = _draw_sites(dataset, draws, numpy)
     except TimeoutError:
         return {"ran": False, "reason": f"loading index 0 again and again took over {_PROBE_BUDGET_S} s"}
     except Exception as exc:
         return {"ran": False, "reason": f"loading index 0 raised {type(exc).__name__}"}
     finally:
         _set_rng_states(saved, numpy)
-    return {"ran": True, "draws": draws, "unstable": unstable}
+    out: dict[str, Any] = {"ran": True, "draws": draws, "unstable": unstable}
+    if sites:
+        out["sites"] = sites
+    return out
+
+
+def _rng_reader(name: str, numpy: Any) -> Any:
+    """A cheap comparable snapshot of one global RNG's state."""
+    import random
+
+    if name == "random":
+        return random.getstate
+    if name == "numpy":
+        return lambda: (lambda st: (st[1].tobytes(), st[2], st[3], st[4]))(numpy.random.get_state())
+    return lambda: torch.get_rng_state().numpy().tobytes()
+
+
+def _draw_sites(dataset: Any, draws: Sequence[str], numpy: Any) -> dict[str, str]:
+    """The user's line where loading ``dataset[0]`` first draws from each global RNG of
+    ``draws``: one load traced line by line in the user's own files (not in installed packages,
+    torch or the standard library: a draw inside a torchvision transform is the user's line that
+    calls it), the RNG states compared after every line. Nothing when something else traces
+    (a debugger, coverage): its tracing is left alone."""
+    if sys.gettrace() is not None:
+        return {}
+    readers = {name: _rng_reader(name, numpy) for name in draws}
+    before = {name: read() for name, read in readers.items()}
+    sites: dict[str, str] = {}
+    last: list[tuple[str, int] | None] = [None]
+
+    def check() -> None:
+        for name, read in readers.items():
+            if name in sites:
+                continue
+            now = read()
+            if now != before[name]:
+                before[name] = now
+                if last[0] is not None:
+                    sites[name] = f"{shown(last[0][0])}:{last[0][1]}"
+
+    def own(code: Any) -> bool:
+        parts = code.co_filename.split(os.sep)
+        return "site-packages" not in parts and "dist-packages" not in parts
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        check()
+        if event == "line":
+            last[0] = (frame.f_code.co_filename, frame.f_lineno)
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        if event != "call" or not is_user(frame) or not own(frame.f_code):
+            return None
+        check()
+        return local
+
+    sys.settrace(calls)
+    try:
+        dataset[0]
+    finally:
+        sys.settrace(None)
+    check()
+    return sites
 
 
 _RANDOM_SOURCE = re.compile(
