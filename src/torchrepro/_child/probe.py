@@ -1,22 +1,33 @@
 """The audit's settings probe: what the audited script sets, seeds and loads, noted in the child.
 
 Invariants:
-- Only the child process installs it (``_child.bootstrap``, for ``torchrepro audit``), once,
-  before the user's script runs; importing this module patches nothing.
+- Only an audited process installs it (``_child.session.configure`` through ``install_probe``:
+  the bootstrap, and each python child the script starts, ``_child.children``), once per process,
+  before the user's code runs; importing this module patches nothing. The process torchrepro
+  started writes the spec's path; any other (a python child, a fork of a probed process) writes
+  ``runrecord.process_path(path, pid)``, its own counts and records only (what a fork inherits,
+  its seeding and switches, stays).
 - ``SettingsProbe`` wraps ``DataLoader.__init__``, ``torch.compile``,
-  ``torch.use_deterministic_algorithms``, ``torch.set_num_threads``, the few functions whose
-  arguments decide an op-table condition, the global seeding functions (``random.seed``,
-  ``np.random.seed``, ``torch.manual_seed``, ``torch.seed``) and the unseeded sources a seed may
-  be drawn from (``random.randint``/``randrange``/``getrandbits``, ``np.random.randint``,
-  ``secrets.randbits``/``randbelow``, ``os.urandom``): they only note values and call through to
-  the original unchanged. One exception, asked for: ``use_deterministic_algorithms`` is applied
-  with ``warn_only=True`` (the probe records the request), so the audit sees every op.
+  ``torch.use_deterministic_algorithms``, ``torch.set_num_threads``, the setters of cuDNN's
+  ``benchmark``/``allow_tf32``/``deterministic``, cuBLAS's ``allow_tf32`` and
+  ``set_float32_matmul_precision`` (the lines that set a switch), the few functions whose
+  arguments decide an op-table condition, the seeding functions (``random.seed``,
+  ``np.random.seed``, ``torch.manual_seed``, ``torch.seed``, ``np.random.default_rng``, and
+  ``torch.Generator``, replaced by a subclass: see ``_watch_generators``), the unseeded sources a
+  seed may be drawn from (``random.randint``/``randrange``/``getrandbits``/``random``,
+  ``np.random.randint``, ``secrets.randbits``/``randbelow``, ``os.urandom``, ``time.time``/
+  ``time_ns``, ``os.getpid``), ``multiprocessing``'s ``Process.start``/``join``/``_bootstrap``
+  and ``share_memory()``: they only note values and call through to the original unchanged. One
+  exception, asked for: ``use_deterministic_algorithms`` is applied with ``warn_only=True`` (the
+  probe records the request), so the audit sees every op.
 - At each DataLoader's creation the probe loads index 0 of its dataset a few times (at most
   ``_PROBE_BUDGET_S``, once per dataset object) under global RNG states of its own, then restores
   every global RNG state (Python, NumPy, torch CPU) with op tracing paused: the script's draws
   are unchanged. Side effects of ``__getitem__`` itself (a cache, a counter) cannot be undone.
-- What it saw is written as ``audit.settings.ProbeSettings`` JSON after each optimizer step and at
-  exit; user locations come from ``torchrepro._frames`` (the user's line, not a framework's).
+- What it saw is written as ``audit.settings.ProbeSettings`` JSON after each training step (an
+  optimizer step, or a backward step no optimizer sees), when a ``multiprocessing`` process it
+  runs ends, and at exit; a DataLoader worker writes nothing. User locations come from
+  ``torchrepro._frames`` (the user's line, not a framework's).
 """
 
 from __future__ import annotations
