@@ -50,3 +50,21 @@ def test_the_framework_skip_is_a_parameter(framework: Any) -> None:
     assert kept is not None and kept.endswith(os.path.join("accelerate", "loop.py") + ":3")
     skipped = framework(lambda frame: Walker().walk(frame)[:2])  # skipped-call
     assert skipped == (_line("skipped-call"), "accelerate")
+
+
+def test_user_frame_and_is_user_stop_at_the_users_code() -> None:
+    import json
+
+    from torchrepro._frames import is_user, user_frame
+
+    here = sys._getframe()
+    assert is_user(here) and user_frame(here) is here
+    seen: list[Any] = []
+
+    def hook(obj: Any) -> Any:  # called by the standard library's json decoder
+        caller = sys._getframe(1)
+        seen.append((is_user(caller), user_frame(caller)))
+        return obj
+
+    json.loads("{}", object_hook=hook)
+    assert seen == [(False, here)]

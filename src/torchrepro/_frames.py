@@ -29,7 +29,7 @@ from collections.abc import Collection, Mapping
 from types import CodeType, FrameType
 from typing import Final
 
-__all__ = ["FRAMEWORKS", "Walker", "user_site"]
+__all__ = ["FRAMEWORKS", "Walker", "is_user", "shown", "user_frame", "user_site"]
 
 FRAMEWORKS: Final[Mapping[str, str]] = {
     "lightning": "lightning",
@@ -171,6 +171,17 @@ class Walker:
             frame = frame.f_back
         return None, framework, False, marked
 
+    def frame(self, frame: FrameType | None) -> FrameType | None:
+        """The innermost user frame of the stack ``frame`` starts (None: none, or a ``stop`` code first)."""
+        while frame is not None:
+            kind = self.kind(frame.f_code)
+            if kind == USER:
+                return frame
+            if kind == STOP:
+                return None
+            frame = frame.f_back
+        return None
+
     def _outer_framework(self, frame: FrameType | None) -> str | None:
         while frame is not None:
             if self.kind(frame.f_code) == FRAMEWORK:
@@ -187,3 +198,19 @@ def user_site(frame: FrameType | None = None, *, outer: bool = True) -> tuple[st
     the framework nearest it, as the child's hooks and probe report them (see :meth:`Walker.walk`)."""
     location, framework, _, _ = _CHILD.walk(frame or sys._getframe(1), outer=outer)
     return location, framework
+
+
+def user_frame(frame: FrameType | None = None) -> FrameType | None:
+    """The user's frame in the stack ``frame`` starts (default: the caller's), as ``user_site``
+    finds its line; None when the stack holds none."""
+    return _CHILD.frame(frame or sys._getframe(1))
+
+
+def is_user(frame: FrameType) -> bool:
+    """Whether ``frame`` runs the user's code (what ``user_frame`` would stop at), in one lookup."""
+    return _CHILD.kind(frame.f_code) == USER
+
+
+def shown(filename: str) -> str:
+    """``filename`` as ``user_site`` shows it in a location."""
+    return _CHILD.show(filename)

@@ -439,8 +439,18 @@ def _render_audit(report: AuditReport) -> str:
     import textwrap
 
     steps = report.optimizer_steps
+    seen = f"{steps if steps is not None else '?'} optimizer step(s)"
+    if report.backward_steps:
+        seen += f", {report.backward_steps} backward() step(s) no optimizer saw"
+    children = [p for p in report.processes if not p.get("main")]
+    if children:
+        trained = report.training_processes
+        seen += f" in {trained} of {len(report.processes)} processes" if trained > 1 else ""
+        seen += f"; {len(children)} child process(es)"
+        unfollowed = sum(1 for p in children if not p.get("followed", True))
+        seen += f", {unfollowed} not followed" if unfollowed else ""
     lines = [
-        f"torchrepro audit: {report.script} ({steps if steps is not None else '?'} optimizer step(s), "
+        f"torchrepro audit: {report.script} ({seen}, "
         f"{report.ops_recorded} ops recorded, op table for torch {report.table_release})"
     ]
     for f in report.findings:

@@ -63,6 +63,10 @@ __all__ = [
     "new_run_dir",
     "new_run_id",
     "ops_path",
+    "ops_process_files",
+    "ops_process_path",
+    "process_files",
+    "process_path",
     "ranks_present",
     "read_events",
     "read_json",
@@ -245,6 +249,39 @@ def ops_path(prefix: str | os.PathLike[str], rank: int) -> Path:
 def ops_files(directory: str | os.PathLike[str]) -> list[Path]:
     """Every op recording (``ops_path``) in ``directory``, in rank order of their names."""
     return sorted(Path(directory).glob(_OPS_GLOB))
+
+
+def ops_process_path(prefix: str | os.PathLike[str], pid: int) -> Path:
+    """The audit's op recording of a python child (process ``pid``) that has no rank of its own."""
+    return Path(f"{os.fspath(prefix)}.pid{pid}.json")
+
+
+def ops_process_files(prefix: str | os.PathLike[str]) -> list[Path]:
+    """Every ``ops_process_path(prefix, pid)`` that exists, in pid order."""
+    base = Path(prefix)
+    pattern = re.compile(r"^" + re.escape(base.name) + r"\.pid(\d+)\.json$")
+    return _by_pid(base.parent, pattern)
+
+
+def process_path(path: str | os.PathLike[str], pid: int) -> Path:
+    """The file a child process (``pid``) writes where the process torchrepro started writes
+    ``path`` (the audit's probe record: ``probe.json`` -> ``probe.pid<P>.json``)."""
+    base = Path(path)
+    return base.with_name(f"{base.stem}.pid{pid}{base.suffix}")
+
+
+def process_files(path: str | os.PathLike[str]) -> list[Path]:
+    """Every ``process_path(path, pid)`` that exists, in pid order."""
+    base = Path(path)
+    pattern = re.compile(r"^" + re.escape(base.stem) + r"\.pid(\d+)" + re.escape(base.suffix) + r"$")
+    return _by_pid(base.parent, pattern)
+
+
+def _by_pid(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := pattern.match(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def _is_record_file(name: str) -> bool:

@@ -3,6 +3,7 @@ sampler that draws the order, seeds drawn from unseeded sources, the random-augm
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,60 @@ class Broken(_Sized):
 )
 def test_probe_finds_the_global_rng_a_dataset_draws_from(dataset: Any, expected: dict[str, Any]) -> None:
     # the autouse fixture asserts the probe left every global RNG state as it found it
-    assert _probe_dataset(dataset) == expected
+    found = _probe_dataset(dataset)
+    assert {k: v for k, v in found.items() if k != "sites"} == expected
+    if sys.gettrace() is None:  # a line for each RNG drawn (none under a tracer: coverage, a debugger)
+        assert set(found.get("sites", {})) == set(expected.get("draws", ()))
+
+
+def _draw_line(obj: Any, text: str) -> str:
+    """``file:line`` (as the probe shows it) of the line of ``obj``'s source holding ``text``."""
+    import inspect
+    import os
+
+    lines, first = inspect.getsourcelines(obj)
+    (offset,) = [i for i, line in enumerate(lines) if text in line]
+    return f"{os.path.relpath(inspect.getfile(obj))}:{first + offset}"
+
+
+def _flip(x: float) -> float:
+    import random
+
+    return -x if random.random() < 0.5 else x  # the draw, in a helper __getitem__ calls
+
+
+class DrawsInAHelper(_Sized):
+    def __getitem__(self, i: int) -> float:
+        x = float(i)
+        x = _flip(x)
+        return x
+
+
+class DrawsTwoRngs(_Sized):
+    def __getitem__(self, i: int) -> Any:
+        import numpy as np
+
+        a = torch.rand(1)
+        b = np.random.uniform()
+        return a, b
+
+
+@pytest.mark.skipif(sys.gettrace() is not None, reason="a tracer (coverage, a debugger) is on")
+def test_probe_finds_the_line_that_draws() -> None:
+    assert _probe_dataset(DrawsRandom())["sites"] == {"random": _draw_line(DrawsRandom, "random.random()")}
+    assert _probe_dataset(DrawsTwoRngs())["sites"] == {
+        "torch": _draw_line(DrawsTwoRngs, "torch.rand(1)"),
+        "numpy": _draw_line(DrawsTwoRngs, "np.random.uniform()"),
+    }
+    assert _probe_dataset(DrawsInAHelper())["sites"] == {"random": _draw_line(_flip, "random.random()")}
+    # a tracer already on (a debugger, coverage) is left alone: no line, the rest unchanged
+    previous = sys.gettrace()
+    sys.settrace(lambda *a: None)
+    try:
+        found = _probe_dataset(DrawsRandom())
+    finally:
+        sys.settrace(previous)
+    assert found == {"ran": True, "draws": ["random"], "unstable": False}
 
 
 def test_probe_is_not_fooled_by_what_the_source_says() -> None:
@@ -202,3 +256,58 @@ def test_probe_tells_seeds_drawn_from_unseeded_sources(tmp_path: Path) -> None:
         probe._on_seed("torch", "torch.manual_seed", value)
         assert probe.seeded["torch"] is True
     assert len(probe.tainted_seeds) == 3
+
+
+def test_a_constant_seed_is_clean_whatever_an_unseeded_source_returned(tmp_path: Path) -> None:
+    import sys
+
+    from torchrepro._child.probe import SettingsProbe
+
+    probe = SettingsProbe(str(tmp_path / "probe.json"))  # not installed: nothing is patched
+    here = sys._getframe()
+    probe._drawn_from("random.randint", 42, here, lambda v: [v], user_only=False)
+    drawn = int("4821")  # an int object of its own, as randint returns
+    probe._drawn_from("random.randint", drawn, here, lambda v: [v], user_only=False)
+    probe._on_seed("torch", "torch.manual_seed", 42, sys._getframe())
+    probe._on_seed("torch", "torch.manual_seed", 4821, sys._getframe())
+    assert probe.tainted_seeds == [] and probe.seeded["torch"] is True
+    # the object the source returned is recognised by identity, however small its value
+    probe._on_seed("torch", "torch.manual_seed", drawn, sys._getframe())
+    assert [(c["source"], c["rng"]) for c in probe.tainted_seeds] == [("random.randint", "torch")]
+
+
+def test_generators_keep_working_and_their_seeding_is_noted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import pickle
+    import sys
+    import time
+
+    from torchrepro._child.probe import SettingsProbe
+
+    monkeypatch.setattr(torch, "Generator", torch.Generator)  # restored after the test
+    probe = SettingsProbe(str(tmp_path / "probe.json"))
+    probe._watch_generators()
+    clock = time.time_ns()
+    probe._drawn_from("time.time_ns", clock, sys._getframe(), None, user_only=False)
+    g = torch.Generator().manual_seed(clock)
+    fixed = torch.Generator().manual_seed(7)
+    assert [(c["call"], c["rng"], c["source"]) for c in probe.tainted_seeds] == [
+        ("torch.Generator().manual_seed", "generator", "time.time_ns")
+    ]
+    assert probe.seeded == {}  # a generator's seed is not a global RNG's
+    # every generator is still a torch.Generator, and torch takes the new ones everywhere
+    assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    assert issubclass(torch._C.Generator, torch.Generator)
+    loader = torch.utils.data.DataLoader(list(range(8)), shuffle=True, generator=fixed)
+    expected = torch.utils.data.DataLoader(
+        list(range(8)), shuffle=True, generator=torch._C.Generator().manual_seed(7)
+    )
+    assert [b.tolist() for b in loader] == [b.tolist() for b in expected]
+    # saved, it is a plain generator (loadable without torchrepro)
+    buffer = io.BytesIO()
+    torch.save(g, buffer)
+    assert pickle.loads(pickle.dumps(g)).__class__ is torch._C.Generator
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False).initial_seed() == clock

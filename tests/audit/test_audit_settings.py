@@ -78,3 +78,62 @@ def test_every_field_type_is_checked() -> None:
     from torchrepro.audit import settings as module
 
     assert {str(f.type) for f in dataclasses.fields(ProbeSettings)} <= set(module._CHECKS)
+
+
+def _process(settings: ProbeSettings, pid: int, *, main: bool = False, **changes: Any) -> ProbeSettings:
+    process = {"pid": pid, "parent_pid": 1, "main": main, "target": None, "start_method": None}
+    return dataclasses.replace(settings, process=process, **changes)
+
+
+def test_merge_processes_sums_steps_and_judges_the_process_that_trained(tmp_path: Path) -> None:
+    from torchrepro.audit.settings import merge_processes
+
+    base = ProbeSettings.from_dict(_snapshot(tmp_path))
+    starts = tuple(
+        {
+            "pid": pid,
+            "location": "train.py:11",
+            "target": "train",
+            "start_method": "spawn",
+            "started": i,
+            "joined": None,
+        }
+        for i, pid in enumerate((20, 30, 40), start=1)
+    )
+    main = _process(base, 10, main=True, started=starts, torch_seeded=False, optimizer_steps=0)
+    loader = {"location": "train.py:5", "num_workers": 0}
+    kids = [
+        _process(
+            base, 30, optimizer_steps=1, cudnn_benchmark=True, dataloaders=(loader,), seeded={"random": True}
+        ),
+        _process(base, 20, optimizer_steps=1, cudnn_benchmark=True, backward_steps=2),
+    ]
+    merged = merge_processes(main, kids)
+    assert (merged.optimizer_steps, merged.backward_steps) == (2, 2)
+    # the switches are those of the first child that trained, in start order
+    assert merged.process["pid"] == 20 and merged.cudnn_benchmark is True
+    assert [(p["pid"], p["followed"], p["main"]) for p in merged.processes] == [
+        (10, True, True),
+        (20, True, False),
+        (30, True, False),
+        (40, False, False),  # started, wrote nothing: not followed
+    ]
+    assert merged.processes[1]["location"] == "train.py:11" and merged.processes[1]["target"] == "train"
+    # a loader of another process keeps that process's seeding
+    (merged_loader,) = merged.dataloaders
+    assert merged_loader["pid"] == 30 and merged_loader["seeded"] == {"random": True}
+    assert ProbeSettings.from_dict(json.loads(json.dumps(merged.to_dict()))) == merged
+    # one process: its own settings, listed alone
+    alone = merge_processes(main)
+    assert alone.process["pid"] == 10 and [p["pid"] for p in alone.processes] == [10, 20, 30, 40]
+
+
+def test_merge_processes_keeps_one_switch_statement_per_line_run_if_it_ran_anywhere(tmp_path: Path) -> None:
+    from torchrepro.audit.settings import merge_processes
+
+    base = ProbeSettings.from_dict(_snapshot(tmp_path))
+    line = {"switch": "cudnn_benchmark", "value": True, "location": "train.py:7"}
+    main = _process(base, 10, main=True, switch_statements=({**line, "ran": False},))
+    child = _process(base, 20, optimizer_steps=1, switch_statements=({**line, "ran": True},))
+    assert [s["ran"] for s in merge_processes(main, [child]).switch_statements] == [True]
+    assert [s["ran"] for s in merge_processes(main).switch_statements] == [False]

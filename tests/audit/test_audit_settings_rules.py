@@ -184,3 +184,240 @@ def test_seed_drawn_from_an_unseeded_source() -> None:
     (finding,) = audit_settings(_settings(tainted_seeds=[call]))
     assert (finding.code, finding.severity, finding.location) == ("TR305", "warning", "train.py:3")
     assert "random.randint" in finding.message and "torch's global RNG" in finding.message
+
+
+# --------------------------------------------------------------------------------------------
+# Training seen as check sees it: backward steps, and training in child processes
+
+
+def _child(pid: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "pid": pid,
+        "main": False,
+        "followed": True,
+        "target": "train",
+        "location": "train.py:11",
+        "optimizer_steps": 0,
+        "backward_steps": 0,
+        "torch_seeded": True,
+        **kw,
+    }
+
+
+_MAIN = {
+    "pid": 1,
+    "main": True,
+    "followed": True,
+    "optimizer_steps": 0,
+    "backward_steps": 0,
+    "torch_seeded": True,
+}
+
+
+def test_a_hand_written_update_loop_is_training() -> None:
+    # backward() steps with no optimizer: training (check counts a step per backward())
+    assert audit_settings(_settings(optimizer_steps=0, backward_steps=1)) == []
+    # control: nothing trained at all is still said
+    (finding,) = audit_settings(_settings(optimizer_steps=0, backward_steps=0))
+    assert finding.code == "TR003" and "no optimizer step and ran no backward()" in finding.message
+
+
+def test_training_in_child_processes_is_training() -> None:
+    procs = [_MAIN, _child(2, optimizer_steps=1), _child(3, optimizer_steps=1)]
+    assert audit_settings(_settings(optimizer_steps=2, processes=procs)) == []
+    # control: children that did not train either
+    idle = [_MAIN, _child(2), _child(3)]
+    (finding,) = audit_settings(_settings(optimizer_steps=0, processes=idle))
+    assert finding.code == "TR003"
+    assert ", nor did the 2 child processes started at train.py:11 (target train);" in finding.message
+
+
+def test_children_the_audit_did_not_follow_are_named_never_called_no_training() -> None:
+    procs = [_MAIN, _child(2, followed=False, torch_seeded=None, location="train.py:20")]
+    (finding,) = audit_settings(_settings(optimizer_steps=0, processes=procs))
+    assert (finding.code, finding.severity) == ("TR003", "info")
+    assert "1 child process started at train.py:20 (target train) ran outside the audit" in finding.message
+    assert "inference-only" not in finding.message and "made no optimizer step" not in finding.message
+    # training seen elsewhere: nothing to say about the unfollowed one in TR003's place
+    trained = [{**_MAIN, "optimizer_steps": 1}, procs[1]]
+    assert audit_settings(_settings(optimizer_steps=1, processes=trained)) == []
+
+
+def test_torch_seeding_is_judged_in_the_processes_that_trained() -> None:
+    # the parent seeds nothing, each child seeds itself: nothing to report
+    seeding_children = [
+        {**_MAIN, "torch_seeded": False},
+        _child(2, optimizer_steps=1),
+        _child(3, optimizer_steps=1),
+    ]
+    assert audit_settings(_settings(torch_seeded=False, processes=seeding_children)) == []
+    # control: the children train unseeded
+    unseeded = [
+        _MAIN,
+        _child(2, optimizer_steps=1, torch_seeded=False),
+        _child(3, optimizer_steps=1, torch_seeded=False),
+    ]
+    (finding,) = audit_settings(_settings(processes=unseeded))
+    assert finding.code == "TR208"
+    assert finding.message.startswith(
+        "The 2 child processes started at train.py:11 (target train) train without"
+    )
+    # the parent trains unseeded: the script's own message
+    parent = [{**_MAIN, "optimizer_steps": 1, "torch_seeded": False}, _child(2, optimizer_steps=1)]
+    (finding,) = audit_settings(_settings(processes=parent))
+    assert finding.message.startswith("The script never seeds torch's RNG")
+
+
+def test_a_loader_in_a_child_is_judged_by_that_childs_seeding() -> None:
+    loader = _loader(probe=_draws("random"))
+    # the judged process seeded random, the child that built the loader did not
+    child_loader = {**loader, "seeded": {**_SEEDED, "random": False}, "pid": 2}
+    assert [f.code for f in audit_settings(_settings(dataloaders=[child_loader]))] == ["TR304"]
+    assert audit_settings(_settings(dataloaders=[{**child_loader, "seeded": _SEEDED}])) == []
+
+
+# --------------------------------------------------------------------------------------------
+# TR501: processes updating one module in shared memory at the same time (hogwild)
+
+_SHARED_UPDATE = {
+    "module": "Linear",
+    "variable": "model",
+    "via": "optimizer",
+    "steps": 3,
+    "first": 1,
+    "last": 3,
+}
+
+
+def _hog(pid: int, started: int, joined: int | None, **kw: Any) -> dict[str, Any]:
+    child = _child(pid, parent_pid=1, started=started, joined=joined, optimizer_steps=3)
+    return {**child, "shared_updates": [_SHARED_UPDATE], **kw}
+
+
+def _tr501(procs: list[dict[str, Any]], **settings: Any) -> list[Any]:
+    found = audit_settings(_settings(processes=procs, **settings))
+    return [f for f in found if f.code == "TR501"]
+
+
+def test_two_processes_updating_a_shared_model_at_once_is_an_error() -> None:
+    shared = ({"class": "Linear", "variable": "model", "location": "train.py:8", "params": 2},)
+    (finding,) = _tr501([_MAIN, _hog(2, 1, 3), _hog(3, 2, 4)], shared_modules=shared)
+    assert (finding.severity, finding.location) == ("error", "train.py:11")
+    assert finding.message.startswith("The 2 child processes started at train.py:11 (target train) update")
+    assert "Linear `model`, put in shared memory at train.py:8" in finding.message
+    assert "DistributedDataParallel" in finding.fix
+    # never joined: they run to the end together
+    assert _tr501([_MAIN, _hog(2, 1, None), _hog(3, 2, None)])
+
+
+def test_the_script_updating_the_shared_model_while_its_child_does() -> None:
+    main = {**_MAIN, "optimizer_steps": 3, "shared_updates": [{**_SHARED_UPDATE, "first": 2, "last": 4}]}
+    (finding,) = _tr501([main, _hog(2, 1, 5)])
+    assert "and the script's own process update" in finding.message
+    # control: the script updates it only after joining its child
+    after = {**main, "shared_updates": [{**_SHARED_UPDATE, "first": 6, "last": 8}]}
+    assert _tr501([after, _hog(2, 1, 5)]) == []
+
+
+def test_no_hogwild_without_two_concurrent_shared_updaters() -> None:
+    # one process updating the shared model
+    assert _tr501([_MAIN, _hog(2, 1, 2)]) == []
+    # two, one after the other (each joined before the next starts)
+    assert _tr501([_MAIN, _hog(2, 1, 2), _hog(3, 3, 4)]) == []
+    # two at once, each training a model of its own (DDP-style): no shared updates
+    assert _tr501([_MAIN, _hog(2, 1, 3, shared_updates=[]), _hog(3, 2, 4, shared_updates=[])]) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Switches set on lines that did not run (a branch only a GPU takes)
+
+
+def _statement(switch: str, value: Any, *, ran: bool = False, cuda: bool = True, **kw: Any) -> dict[str, Any]:
+    condition = "if torch.cuda.is_available()" if cuda else "if args.fast"
+    return {
+        "switch": switch,
+        "value": value,
+        "text": f"{switch} = {value}",
+        "location": "train.py:7",
+        "condition": condition,
+        "cuda": cuda,
+        "ran": ran,
+        **kw,
+    }
+
+
+@pytest.mark.parametrize(
+    ("statement", "settings", "events", "expected"),
+    [
+        (_statement("cudnn_benchmark", True), {}, [], [("TR203", "warning")]),
+        (_statement("cuda_matmul_allow_tf32", True), {}, [], [("TR204", "info")]),
+        (_statement("float32_matmul_precision", "high"), {}, [], [("TR204", "info")]),
+        (_statement("cudnn_allow_tf32", True), {}, CONV, [("TR204", "info")]),
+        (_statement("cudnn_allow_tf32", True), {}, [], []),  # no convolution: TF32 convs do not matter
+        (
+            _statement("deterministic_algorithms", False),
+            {"cudnn_deterministic": False},
+            CONV,
+            [("TR205", "warning")],
+        ),
+        (
+            _statement("deterministic_algorithms", True, warn_only=True),
+            {"cudnn_deterministic": False},
+            CONV,
+            [("TR206", "warning")],
+        ),
+        # a condition that does not name CUDA: one step lower
+        (_statement("cudnn_benchmark", True, cuda=False), {}, [], [("TR203", "info")]),
+        # the fix, on a branch: nothing
+        (_statement("cudnn_benchmark", False), {}, [], []),
+        # the line ran: the runtime rule alone reports it (once)
+        (
+            _statement("cudnn_benchmark", True, ran=True),
+            {"cudnn_benchmark": True},
+            [],
+            [("TR203", "warning")],
+        ),
+        # on at runtime already, from another line: reported once, by the runtime rule
+        (_statement("cudnn_benchmark", True), {"cudnn_benchmark": True}, [], [("TR203", "warning")]),
+    ],
+)
+def test_switches_on_lines_that_did_not_run(
+    statement: dict[str, Any], settings: dict[str, Any], events: list[dict[str, Any]], expected: list[Any]
+) -> None:
+    found = audit_settings(_settings(switch_statements=[statement], **settings), events=events)
+    assert [(f.code, f.severity) for f in found if f.code != "TR120"] == expected
+
+
+def test_a_switch_on_a_cuda_branch_says_where_and_what_it_would_set() -> None:
+    (finding,) = audit_settings(_settings(switch_statements=[_statement("cudnn_benchmark", True)]))
+    assert finding.location == "train.py:7"
+    assert (
+        "(on a branch not taken in this run: line 7, under `if torch.cuda.is_available()`)" in finding.message
+    )
+    assert "on CUDA it turns cuDNN benchmarking on" in finding.message
+    (lower,) = audit_settings(_settings(switch_statements=[_statement("cudnn_benchmark", True, cuda=False)]))
+    assert "line that did not run in this audit: line 7, under `if args.fast`" in lower.message
+    assert "one step lower" in lower.message
+
+
+def test_a_dataset_draw_is_reported_at_the_line_that_draws() -> None:
+    probe = {**_draws("random", "numpy"), "sites": {"random": "data.py:20", "numpy": "data.py:21"}}
+    (finding,) = audit_settings(
+        _settings(dataloaders=[_loader(probe=probe)], seeded={**_SEEDED, "random": False})
+    )
+    assert finding.code == "TR304" and finding.location == "data.py:20"
+    assert "by the DataLoader at train.py:9) draws from Python's global random here" in finding.message
+    (workers,) = [
+        f
+        for f in audit_settings(
+            _settings(dataloaders=[_loader(num_workers=2, probe=probe)], seeded=_UNSEEDED)
+        )
+        if f.code == "TR304"
+    ]
+    assert (
+        workers.location == "data.py:20"
+        and "DataLoader workers of the DataLoader at train.py:9" in workers.message
+    )
+    # control: without a traced line, the loader's line (as before)
+    (plain,) = audit_settings(_settings(dataloaders=[_loader(probe=_draws("random"))], seeded=_UNSEEDED))
+    assert plain.location == "train.py:9" and "DataLoader at" not in plain.message

@@ -109,8 +109,10 @@ def test_settings_the_script_itself_sets(
     assert found["TR301"]["location"] == loader_line
     assert "Noisy.__getitem__ draws from Python's global random" in found["TR301"]["message"]
     assert "SeededLoader" in found["TR301"]["fix"]
-    # two workers reseed random from a base seed drawn from the unseeded torch RNG
-    assert found["TR304"]["location"] == loader_line and "2 DataLoader workers" in found["TR304"]["message"]
+    # two workers reseed random from a base seed drawn from the unseeded torch RNG; reported
+    # where __getitem__ draws, naming the loader
+    assert found["TR304"]["location"] == _line(script, "if random.random() < 0.5")
+    assert f"2 DataLoader workers of the DataLoader at {loader_line}" in found["TR304"]["message"]
     settings = report["settings"]
     assert settings["optimizer_steps"] == 2
     assert (
@@ -129,11 +131,14 @@ def test_datasets_drawing_from_unseeded_global_rngs(
     code, report = _audit_json(capsys, _rel(script))
     assert code == 0  # warnings only
     found = {(f["code"], f["location"]): f for f in report["findings"] if f["location"]}
-    flips = found.pop(("TR304", _line(script, "flips = DataLoader(")))
+    # reported at the line of __getitem__ that draws, naming the loader's line
+    flips = found.pop(("TR304", _line(script, "x.flip(0) if random.random()")))
     assert "Flip.__getitem__" in flips["message"] and "Python's global random" in flips["message"]
+    assert f"by the DataLoader at {_line(script, 'flips = DataLoader(')})" in flips["message"]
     assert "random.seed(0)" in flips["fix"] and "sample_rng()" in flips["fix"]
-    jitters = found.pop(("TR304", _line(script, "jitters = DataLoader(")))
+    jitters = found.pop(("TR304", _line(script, "float(np.random.uniform(")))
     assert "Jitter.__getitem__" in jitters["message"] and "NumPy's global RNG" in jitters["message"]
+    assert f"by the DataLoader at {_line(script, 'jitters = DataLoader(')})" in jitters["message"]
     # the seed comes from random.randint, which nothing seeded: reported where it seeds
     seed = found.pop(("TR305", _line(script, "    torch.manual_seed(seed)")))
     assert "random.randint" in seed["message"] and "torch.manual_seed" in seed["message"]
@@ -162,7 +167,9 @@ def test_loader_built_by_lightning_points_at_the_users_line(
     code, report = _audit_json(capsys, _rel(script))
     assert code == 0
     (finding,) = [f for f in report["findings"] if f["code"] == "TR304"]
-    assert finding["location"] == _line(script, "trainer.fit(")
+    # where the dataset draws; the loader is the user's line that handed the data to Lightning
+    assert finding["location"] == _line(script, "x.flip(0) if random.random()")
+    assert f"by the DataLoader at {_line(script, 'trainer.fit(')})" in finding["message"]
     assert "Flip.__getitem__" in finding["message"] and "Python's global random" in finding["message"]
     assert "lightning.seed_everything(0, workers=True)" in finding["fix"]
 

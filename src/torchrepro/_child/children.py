@@ -1,17 +1,18 @@
 """The python processes a script starts itself: configured and recorded like the script.
 
-A recorded run's environment puts ``spec.SITE_DIR`` first on ``PYTHONPATH``; its
-``sitecustomize`` calls ``adopt()`` in every python started with that environment: a rank
+A recorded run's (and an audit's) environment puts ``spec.SITE_DIR`` first on ``PYTHONPATH``;
+its ``sitecustomize`` calls ``adopt()`` in every python started with that environment: a rank
 Lightning's ``strategy="ddp"`` starts as a new ``python script.py``, a
 ``torch.multiprocessing.spawn`` rank, a ``subprocess`` of ``sys.executable``. Invariants:
-- A process outside a recorded run (``spec.in_run`` false) is left alone and never imports torch;
-  neither do torchrepro's own processes (``python -m torchrepro...``: the bootstrap configures
-  itself) nor multiprocessing helpers that run no ``Process`` (the resource tracker).
+- A process outside a recorded run or an audit (``spec.in_run`` false) is left alone and never
+  imports torch; neither do torchrepro's own processes (``python -m torchrepro...``: the
+  bootstrap configures itself) nor multiprocessing helpers that run no ``Process`` (the
+  resource tracker).
 - An adopted child is configured like the bootstrap: seeded with the run's seed (the same seed
   every rank gets under ``--nproc``), the switches set, the hooks installed, before its first line
-  (a multiprocessing child: seeded before the parent's ``__main__`` is re-imported, configured
-  before its target runs). DataLoader workers (target ``_worker_loop``) are only seeded early;
-  torch seeds them itself, and they record nothing.
+  (a multiprocessing child: seeded, and in an audit probed, before the parent's ``__main__`` is
+  re-imported, configured before its target runs). DataLoader workers (target ``_worker_loop``)
+  are only seeded early; torch seeds them itself, and they record nothing.
 - The events file is chosen at a process's first event (``rankclaim.RankClaim``).
 - Every rank that joins a process group notes the world size it saw (``runrecord.write_world``),
   so a check knows the ranks that exist, recorded or not.
@@ -75,11 +76,17 @@ def _configure() -> None:
 
 
 def _seed() -> None:
+    """Before the parent's ``__main__`` is imported again: seed (a run) and install the audit's
+    probe (an audit: so what that import seeds, the probe sees)."""
     spec = _spec()
     if spec is not None and spec.seed is not None:
         from torchrepro.seeding import seed_everything
 
         seed_everything(spec.seed)
+    if spec is not None and spec.audit_settings_out:
+        from torchrepro._child.probe import install_probe
+
+        install_probe(spec.audit_settings_out, main=False)
 
 
 def _adopt_processes() -> None:

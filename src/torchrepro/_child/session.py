@@ -4,7 +4,9 @@ python children a script starts (``_child.children``), torn down at exit.
 Invariants:
 - ``configure`` seeds and sets the switches before the script's first line, and installs the hooks
   (``_child.hooks``) before the script can create an optimizer or a DataLoader; with an audit spec
-  the audit's settings probe (``_child.probe``) is installed first.
+  the audit's settings probe (``_child.probe``) is installed first (once per process), and counts
+  the session's backward steps as training; an audited python child writes its op record
+  as ``runrecord.ops_process_path`` when it has no rank of its own.
 - The events file is chosen at the first event (``rankclaim.RankClaim``): the process group's rank
   if initialised, else the rank the environment names, else 0; a rank a script-started process
   already records is not written twice.
@@ -30,7 +32,7 @@ import torchrepro.recorder as _recorder
 from torchrepro import runrecord
 from torchrepro._child import teardown
 from torchrepro._child.hooks import install_hooks, install_world_hook, worker_mapping
-from torchrepro._child.probe import SettingsProbe
+from torchrepro._child.probe import SettingsProbe, install_probe
 from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
 from torchrepro._child.training import BackwardSteps
@@ -60,6 +62,7 @@ class Session:
         self.steps: dict[int, int] = {}
         self.has_optimizer = False
         self.backward_steps: BackwardSteps | None = None
+        self.probe: SettingsProbe | None = None
         if spec.record_dir:
             kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
             self.claim = RankClaim(spec.record_dir, main=main)
@@ -122,13 +125,19 @@ class Session:
         rec, self.ops_recorder = self.ops_recorder, None
         ops_out = self.spec.ops_out
         rank = self.rank
-        if rec is None or not ops_out or rank is None:
+        if rec is None or not ops_out or (rank is None and self.main):
             return
         from torchrepro._io import atomic_write_json
 
+        # a python child the script started, without a rank of its own: a file of its own
+        path = (
+            runrecord.ops_path(ops_out, rank)
+            if rank is not None
+            else runrecord.ops_process_path(ops_out, os.getpid())
+        )
         try:
             events = rec.stop()
-            atomic_write_json(runrecord.ops_path(ops_out, rank), [e.to_dict() for e in events])
+            atomic_write_json(path, [e.to_dict() for e in events])
         except Exception as exc:
             print(f"torchrepro bootstrap: writing the op record failed: {exc}", file=sys.stderr)
 
@@ -156,8 +165,11 @@ class Session:
                 self._stop_tracer()  # step ``trace_step``'s update ran before this backward
             if self.spec.max_steps is not None and not self.has_optimizer and step >= self.spec.max_steps:
                 raise MaxStepsReached(0)
-        elif traced is not None and step == traced - 1:
-            self._start_tracer()
+        else:
+            if self.probe is not None:
+                self.probe.after_backward()
+            if traced is not None and step == traced - 1:
+                self._start_tracer()
 
     def on_vary(self, original: int, used: int) -> None:
         self.varied.append((original, used))
@@ -238,11 +250,11 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
     ``main``: the process torchrepro started; otherwise a python child the script started
     (``_child.children``), which records only under a rank of its own.
     """
-    if spec.audit_settings_out:
-        SettingsProbe(spec.audit_settings_out).install()
+    probe = install_probe(spec.audit_settings_out, main=main) if spec.audit_settings_out else None
     _configure(spec)
     teardown.install()
     session = Session(spec, script, main=main)
+    session.probe = probe
     session.backward_steps = install_hooks(
         session.recorder,
         num_workers=worker_mapping(spec.num_workers),
@@ -251,6 +263,8 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
         on_step=session.on_step,
         on_backward=session.on_backward if spec.max_steps or spec.trace_step is not None else None,
     )
+    if probe is not None:
+        probe.backward = session.backward_steps  # the probe counts backward steps as the session does
     if spec.record_dir:
         install_world_hook(session.on_join)
     session.start_ops()

@@ -8,9 +8,9 @@ Invariants:
 - ``to_env`` also sets the process-start variables only a launcher can set (``PYTHONHASHSEED``,
   ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``) and drops every
   ``TORCHREPRO_*`` variable of the base environment, so the caller's own settings never leak in.
-- A recorded spec puts ``SITE_DIR`` first on the child's ``PYTHONPATH``: every python the script
-  starts itself is configured by ``_child.children`` (a ``PARENT_RANK_VAR`` mark tells a child
-  whether its ``RANK`` is its own or inherited).
+- A recorded spec (and an audit's) puts ``SITE_DIR`` first on the child's ``PYTHONPATH``: every
+  python the script starts itself is configured by ``_child.children`` (a ``PARENT_RANK_VAR``
+  mark tells a child whether its ``RANK`` is its own or inherited).
 - ``seed=None`` is a plain python run: nothing seeded and no pinned hash seed; switches only
   when a ``mode`` is given (a seeded spec defaults to ``strict``).
 """
@@ -188,8 +188,9 @@ class ChildSpec:
         >>> ChildSpec().to_env({"PATH": "/bin"})
         {'PATH': '/bin'}
 
-        A recorded spec (``record_dir``) also puts ``SITE_DIR`` first on ``PYTHONPATH`` (the
-        base's entries kept after it), so the python processes the script starts are recorded.
+        A recorded spec (``record_dir``), or an audit's (``audit_settings_out``), also puts
+        ``SITE_DIR`` first on ``PYTHONPATH`` (the base's entries kept after it), so the python
+        processes the script starts are recorded (audited) too.
         """
         from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR
 
@@ -211,7 +212,7 @@ class ChildSpec:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         if self.cpu_capability is not None:
             env[CPU_CAPABILITY_VAR] = self.cpu_capability
-        if self.record_dir is not None:
+        if self.record_dir is not None or self.audit_settings_out is not None:
             entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
             env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *entries])
         return env
@@ -245,10 +246,10 @@ class ChildSpec:
 
 
 def in_run(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``environ`` (default ``os.environ``) carries a recorded run's protocol (a process
-    started by torchrepro, or by a script torchrepro runs). Imports nothing."""
+    """Whether ``environ`` (default ``os.environ``) carries the protocol of a recorded run or of
+    an audit (a process started by torchrepro, or by a script torchrepro runs). Imports nothing."""
     env = os.environ if environ is None else environ
-    return bool(env.get(ENV_PREFIX + "RECORD_DIR"))
+    return bool(env.get(ENV_PREFIX + "RECORD_DIR") or env.get(ENV_PREFIX + "AUDIT_SETTINGS_OUT"))
 
 
 def parent_rank(environ: Mapping[str, str] | None = None) -> str | None:

@@ -24,10 +24,11 @@ _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 class Finding:
     """One thing that breaks (or may break) bitwise reproducibility, with where and how to fix it.
 
-    ``code`` is stable (``TR1xx`` ops, ``TR2xx`` settings, ``TR3xx`` data loading, ``TR4xx``
-    compilation, ``TR0xx`` about the audit itself); ``severity`` is ``error`` (raises under strict
-    mode on CUDA, or stays nondeterministic whatever the switches), ``warning`` or ``info``; ``op``
-    the aten op (or None); ``module`` and ``location`` (``file:line``) the user's code.
+    ``code`` is stable (``TR1xx`` ops, ``TR2xx`` settings, ``TR3xx`` data loading and seeds,
+    ``TR4xx`` compilation, ``TR5xx`` processes, ``TR0xx`` about the audit itself); ``severity``
+    is ``error`` (raises under strict mode on CUDA, or stays nondeterministic whatever the
+    switches), ``warning`` or ``info``; ``op`` the aten op (or None); ``module`` and
+    ``location`` (``file:line``) the user's code.
 
     >>> Finding("TR107", "error", "aten.reflection_pad2d_backward", "net.pad", "train.py:12",
     ...         "ReflectionPad2d backward ...", "Use replication padding").to_dict()["location"]

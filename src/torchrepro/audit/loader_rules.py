@@ -10,6 +10,9 @@ Invariants:
   the script's own seeding of that RNG; in workers (torch reseeds random, NumPy and torch from
   the base seed), the loader's ``generator=`` or the script's torch seed.
 - A fix names the framework's own seeding setting when the loader (or seed) came through one.
+- TR304 points at the line of ``__getitem__`` that draws (the probe's ``sites``), naming the
+  loader's line in its message; at the loader's line when the probe could not trace the draw.
+  The loader's other findings point at the loader.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ _RNG_NAMES = {
     "random": "Python's global random",
     "numpy": "NumPy's global RNG",
     "torch": "torch's global RNG",
+    "generator": "a torch.Generator",
+    "numpy_generator": "a NumPy Generator",
 }
 _RNG_SEEDS = {"random": "random.seed(0)", "numpy": "np.random.seed(0)", "torch": "torch.manual_seed(0)"}
 _FRAMEWORK_FIX = {
@@ -70,31 +75,46 @@ def loader_findings(loader: Mapping[str, Any], seeded: Mapping[str, Any] | None 
         "or better, draw the randomness from torchrepro.sample_rng() inside __getitem__ and load with "
         "torchrepro.SeededLoader (the same samples for any num_workers)."
     )
+    sites = probe.get("sites") if measured and probe and isinstance(probe.get("sites"), Mapping) else {}
+
+    def drawn_at(rngs: Sequence[str]) -> tuple[str | None, str]:
+        """Where TR304 points: the line of __getitem__ that draws (the loader's line when the
+        probe could not trace the load), and the loader's line for the message."""
+        site = next((sites[r] for r in rngs if isinstance(sites.get(r), str)), None)
+        made = f"the DataLoader at {location}" if site and location else ""
+        return (site or location), made
+
     if draws:
         if workers == 0:
             unseeded = [r for r in draws if not seeded.get(r, True)]
             if unseeded:
+                where, made = drawn_at(unseeded)
                 out.append(
                     settings_finding(
                         "TR304",
                         "warning",
-                        f"{dataset}.__getitem__ (loaded in the main process, num_workers=0) draws from "
-                        f"{_names(unseeded)}, which the script never seeds: its samples differ every run "
-                        "(found by loading one sample twice under different global RNG states).",
+                        f"{dataset}.__getitem__ (loaded in the main process, num_workers=0"
+                        + (f", by {made}" if made else "")
+                        + f") draws from {_names(unseeded)} here, which the script never seeds: its "
+                        "samples differ every run (found by loading one sample twice under different "
+                        "global RNG states).",
                         _with_framework(
                             f"Seed it before loading ({', '.join(_RNG_SEEDS[r] for r in unseeded)}, or "
                             f"torchrepro.seed_everything(0)), {fix_seed}",
                             loader,
                         ),
-                        location,
+                        where,
                     )
                 )
         elif not loader.get("generator") and not seeded.get("torch", True):
+            where, made = drawn_at(draws)
             out.append(
                 settings_finding(
                     "TR304",
                     "warning",
-                    f"{dataset}.__getitem__ draws from {_names(draws)} in {workers} DataLoader workers. "
+                    f"{dataset}.__getitem__ draws from {_names(draws)} here, in {workers} DataLoader workers"
+                    + (f" of {made}" if made else "")
+                    + ". "
                     "torch reseeds random, NumPy and torch in each worker from the loader's base seed, but "
                     "that base seed is drawn from torch's global RNG, which the script never seeds, and the "
                     "loader has no generator=: its samples differ every run (found by loading one sample "
@@ -104,7 +124,7 @@ def loader_findings(loader: Mapping[str, Any], seeded: Mapping[str, Any] | None 
                         f"or pass DataLoader(generator=torch.Generator().manual_seed(0)), {fix_seed}",
                         loader,
                     ),
-                    location,
+                    where,
                 )
             )
     if unstable:
@@ -185,6 +205,10 @@ def tainted_seed_finding(call: Mapping[str, Any]) -> Finding:
         origin = "OS entropy (no seed given)"
     elif source == "the current time":
         origin = "the current time"
+    elif source.startswith("time."):
+        origin = f"the current time ({source})"
+    elif source == "os.getpid":
+        origin = "the process id (os.getpid: another one every run)"
     elif source.startswith(("random.", "np.random.")):
         origin = f"a value drawn from {source} before anything seeded that RNG"
     else:

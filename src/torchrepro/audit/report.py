@@ -6,13 +6,16 @@ Invariants:
 - ``AuditReport.to_dict()`` is the object ``audit --json`` prints: ``findings`` (each with the
   keys of ``Finding.to_dict()``), ``script``, ``steps``, ``optimizer_steps``, ``ops_recorded``,
   ``torch_version``, ``table_release`` and ``settings`` (``ProbeSettings.to_dict()``, ``{}`` when
-  the probe wrote nothing).
+  the probe wrote nothing), then ``backward_steps``, ``training_steps``, ``training_processes``
+  and ``processes`` (one summary per process). Keys are only ever added. The step counts are
+  over every process the audit followed (the audited one and the python children it started);
+  ``None`` when the probe wrote nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +24,7 @@ from torchrepro.audit.findings import Finding, sort_key
 from torchrepro.audit.op_rules import as_event, audit_ops, table_findings
 from torchrepro.audit.optable import _load_table
 from torchrepro.audit.settings import ProbeSettings
-from torchrepro.audit.settings_rules import audit_settings
+from torchrepro.audit.settings_rules import audit_settings, processes, steps_of
 
 __all__ = ["AuditReport", "report"]
 
@@ -38,6 +41,20 @@ class AuditReport:
     torch_version: str
     table_release: str
     settings: ProbeSettings | None
+    backward_steps: int | None = None
+    processes: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def training_steps(self) -> int | None:
+        """Optimizer steps and backward steps (where no optimizer steps) in every process followed."""
+        if self.optimizer_steps is None:
+            return None
+        return self.optimizer_steps + (self.backward_steps or 0)
+
+    @property
+    def training_processes(self) -> int:
+        """How many processes made a training step."""
+        return sum(1 for p in self.processes if steps_of(p) > 0)
 
     @property
     def errors(self) -> tuple[Finding, ...]:
@@ -55,6 +72,10 @@ class AuditReport:
             "torch_version": self.torch_version,
             "table_release": self.table_release,
             "settings": self.settings.to_dict() if self.settings is not None else {},
+            "backward_steps": self.backward_steps,
+            "training_steps": self.training_steps,
+            "training_processes": self.training_processes,
+            "processes": [dict(p) for p in self.processes],
         }
 
 
@@ -67,6 +88,8 @@ def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSet
         findings += audit_settings(settings, events=events)
     steps_done = settings.optimizer_steps if settings is not None else None
     return AuditReport(
+        backward_steps=settings.backward_steps if settings is not None else None,
+        processes=tuple(processes(settings)) if settings is not None else (),
         findings=tuple(sorted(findings, key=sort_key)),
         script=script,
         steps=steps,

@@ -6,6 +6,10 @@ Invariants:
   switches, none of the caller's ``TORCHREPRO_*`` settings), with the op recorder and the settings
   probe on, stopped after ``steps`` optimizer steps. So the settings it reports are the ones the
   script itself sets (or inherits from the shell), not torchrepro's.
+- The python processes the script starts (``multiprocessing``, ``mp.spawn``, ``subprocess`` of
+  python) are probed too, each writing its own records (``runrecord.process_path``,
+  ``runrecord.ops_process_path``), each stopped after ``steps`` steps; the report merges them
+  (``audit.settings.merge_processes``), and names those that wrote nothing as not followed.
 - The child is a process tree of its own: on a timeout, Ctrl-C or SIGTERM every process it
   started is ended (``launch.kill_tree``). The parent changes no global state.
 """
@@ -22,7 +26,7 @@ from typing import Any
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec
 from torchrepro.audit.report import AuditReport, report
-from torchrepro.audit.settings import ProbeSettings
+from torchrepro.audit.settings import ProbeSettings, merge_processes
 from torchrepro.errors import EnvFileError, LaunchError, TraceError
 from torchrepro.launch import build_command, kill_tree, spawn, terminate_on_signals
 
@@ -56,9 +60,8 @@ def audit_script(
         raise LaunchError(f"Cannot audit {target!r}: no such file (expected a Python training script).")
     with tempfile.TemporaryDirectory(prefix="torchrepro-audit-") as tmp:
         settings_path = Path(tmp) / "probe.json"
-        spec = ChildSpec(
-            max_steps=steps, ops_out=str(Path(tmp) / "ops"), audit_settings_out=str(settings_path)
-        )
+        ops_prefix = Path(tmp) / "ops"
+        spec = ChildSpec(max_steps=steps, ops_out=str(ops_prefix), audit_settings_out=str(settings_path))
         command = build_command(None if module else target, args, module=target if module else None)
         returncode, output = _run(command, spec.to_env(), Path(tmp), timeout=timeout, target=target)
         if returncode != 0:
@@ -66,8 +69,11 @@ def audit_script(
                 f"The script {target!r} failed while audited (exit code {returncode}); "
                 f"its last output:\n{_tail(output)}"
             )
-        events = _read_events(Path(tmp))
-        settings = _read_settings(settings_path) if settings_path.is_file() else None
+        events = _read_events(Path(tmp), ops_prefix)
+        settings = None
+        if settings_path.is_file():
+            children = [_read_settings(path) for path in runrecord.process_files(settings_path)]
+            settings = merge_processes(_read_settings(settings_path), children)
     return report(script=target, steps=steps, events=events, settings=settings)
 
 
@@ -112,7 +118,8 @@ def _read_settings(path: Path) -> ProbeSettings:
         raise TraceError(f"Cannot read the audit's recording {path.name}: {exc}") from None
 
 
-def _read_events(directory: Path) -> list[dict[str, Any]]:
+def _read_events(directory: Path, prefix: Path) -> list[dict[str, Any]]:
+    """The op events of every process: the audited one, and the python children it started."""
     events: list[dict[str, Any]] = []
     files = runrecord.ops_files(directory)
     if not files:
@@ -120,7 +127,7 @@ def _read_events(directory: Path) -> list[dict[str, Any]]:
             "The audited script ran but left no op recording (expected ops.rank0.json from the bootstrap); "
             "was it started through torchrepro's bootstrap?"
         )
-    for path in files:
+    for path in [*files, *runrecord.ops_process_files(prefix)]:
         data = _read_json(path)
         if isinstance(data, Mapping):
             data = data.get("events", [])

@@ -15,13 +15,13 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import json  # noqa: F401 (the doctest)
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchrepro.errors import TraceError
 
-__all__ = ["ProbeSettings"]
+__all__ = ["ProbeSettings", "merge_processes"]
 
 
 def _is_bool(v: Any) -> bool:
@@ -56,6 +56,7 @@ _CHECKS: Mapping[str, tuple[Callable[[Any], bool], str]] = {
         "an object of string or null values",
     ),
     "tuple[Mapping[str, Any], ...]": (_records, "an array of objects"),
+    "Mapping[str, Any]": (_mapping_of(lambda _: True), "an object"),
 }
 
 
@@ -67,6 +68,18 @@ class ProbeSettings:
     after each optimizer step (``warn_only``: what the script asked for; the probe runs it
     warn-only). The records (``dataloaders``, ``compile_calls``, ``tainted_seeds``, ``calls``) are
     JSON objects whose keys the rules read with defaults.
+
+    Processes: ``optimizer_steps`` and ``backward_steps`` (``backward()`` calls that trained
+    tensors no optimizer holds: a hand-written update) count this process's training; ``process``
+    says which process it is (``pid``, ``parent_pid``, ``main``, ``target``, ``start_method``),
+    ``started`` the processes it started (``pid``, ``location``, ``target``, ``start_method``, and
+    ``started``/``joined``: positions on this process's own clock of starts, joins and shared
+    updates), ``shared_modules`` its ``share_memory()`` calls and ``shared_updates`` the steps it
+    made on parameters in shared memory. ``switch_statements``: the statements of the script and
+    of the modules it imported from its own directory that set a determinism switch to a literal
+    value (``switch``, ``value``, ``location``, the ``condition`` deciding it, whether it names
+    ``cuda``), each with whether it ``ran``. ``processes`` is empty in what one process writes;
+    :func:`merge_processes` fills it with one summary per process of the run.
 
     >>> from torchrepro._child.probe import SettingsProbe
     >>> s = SettingsProbe("unused.json").snapshot()  # what a probe saw so far (not installed)
@@ -96,6 +109,13 @@ class ProbeSettings:
     optimizer_steps: int
     calls: tuple[Mapping[str, Any], ...]
     cuda_initialized: bool
+    backward_steps: int = 0
+    process: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    started: tuple[Mapping[str, Any], ...] = ()
+    shared_modules: tuple[Mapping[str, Any], ...] = ()
+    shared_updates: tuple[Mapping[str, Any], ...] = ()
+    switch_statements: tuple[Mapping[str, Any], ...] = ()
+    processes: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field, in declaration order (records as arrays of objects)."""
@@ -133,3 +153,118 @@ class ProbeSettings:
                 raise TraceError(f"The probe's setting {f.name!r} must be {expected}, got {value!r}.")
             values[f.name] = tuple(dict(r) for r in value) if isinstance(value, (list, tuple)) else value
         return cls(**values)
+
+
+def _summary(record: ProbeSettings, start: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One process of a run, as ``ProbeSettings.processes`` lists it."""
+    own = dict(record.process)
+    start = start or {}
+    return {
+        "pid": own.get("pid"),
+        "parent_pid": own.get("parent_pid"),
+        "main": bool(own.get("main")),
+        "followed": True,
+        "target": start.get("target") or own.get("target"),
+        "argv": own.get("argv"),
+        "location": start.get("location"),
+        "start_method": start.get("start_method") or own.get("start_method"),
+        "started": start.get("started"),
+        "joined": start.get("joined"),
+        "optimizer_steps": record.optimizer_steps,
+        "backward_steps": record.backward_steps,
+        "torch_seeded": record.torch_seeded,
+        "shared_updates": [dict(u) for u in record.shared_updates],
+    }
+
+
+def _trained(record: ProbeSettings) -> bool:
+    return record.optimizer_steps + record.backward_steps > 0
+
+
+def merge_processes(main: ProbeSettings, children: Sequence[ProbeSettings] = ()) -> ProbeSettings:
+    """One record for a run's processes: the audited process (``main``) and the python children
+    it (or they) started, each probed in its own process.
+
+    - ``processes``: one summary per process, the audited one first, then the children in the
+      order they were started, then the processes started but not followed (no record of their
+      own: not a python that imports torchrepro with this environment, or killed before it
+      wrote), with ``followed`` false and no steps;
+    - the switches, seeding and thread settings are those of the process that trained: the
+      audited one, unless only children trained (then the first child that trained); ``process``
+      says which;
+    - ``optimizer_steps`` and ``backward_steps`` are the sums over every process;
+    - the records (loaders, seeds, compile calls, conditions, shared modules and updates,
+      starts, switch statements: one per line, run if it ran in any process) are those of every
+      process; a loader of another process than the judged one
+      carries that process's ``seeded`` and ``pid``.
+    """
+    starts: dict[int, dict[str, Any]] = {}
+    for record in (main, *children):
+        for start in record.started:
+            pid = start.get("pid")
+            if isinstance(pid, int) and not isinstance(pid, bool):
+                starts[pid] = {**start, "parent_pid": record.process.get("pid")}
+
+    def order(record: ProbeSettings) -> tuple[int, int]:
+        seq = starts.get(record.process.get("pid", -1), {}).get("started")
+        return (0, seq) if isinstance(seq, int) else (1, int(record.process.get("pid") or 0))
+
+    kids = sorted(children, key=order)
+    summaries = [_summary(main, None)] + [_summary(c, starts.get(c.process.get("pid", -1))) for c in kids]
+    followed = {s["pid"] for s in summaries}
+    for pid, start in sorted(starts.items(), key=lambda item: (item[1].get("started") or 0, item[0])):
+        if pid not in followed:
+            summaries.append(
+                {
+                    "pid": pid,
+                    "parent_pid": start.get("parent_pid"),
+                    "main": False,
+                    "followed": False,
+                    "target": start.get("target"),
+                    "argv": None,
+                    "location": start.get("location"),
+                    "start_method": start.get("start_method"),
+                    "started": start.get("started"),
+                    "joined": start.get("joined"),
+                    "optimizer_steps": 0,
+                    "backward_steps": 0,
+                    "torch_seeded": None,
+                    "shared_updates": [],
+                }
+            )
+    judged = main
+    if not _trained(main):
+        judged = next((c for c in kids if _trained(c)), main)
+    records = (main, *kids)
+
+    def loaders(record: ProbeSettings) -> list[Mapping[str, Any]]:
+        if record is judged:
+            return list(record.dataloaders)
+        pid = record.process.get("pid")
+        return [{**loader, "seeded": dict(record.seeded), "pid": pid} for loader in record.dataloaders]
+
+    statements: dict[Any, Mapping[str, Any]] = {}  # a statement ran if it ran in any process
+    for record in records:
+        for statement in record.switch_statements:
+            key = statement.get("location")
+            earlier = statements.get(key)
+            ran = bool(statement.get("ran")) or bool(earlier and earlier.get("ran"))
+            statements[key] = {**(earlier or statement), "ran": ran}
+    calls: dict[str, Mapping[str, Any]] = {}
+    for record in records:
+        for call in record.calls:
+            calls.setdefault(json.dumps(call, sort_keys=True, default=str), call)
+    return dataclasses.replace(
+        judged,
+        tainted_seeds=tuple(s for r in records for s in r.tainted_seeds),
+        compile_calls=tuple(c for r in records for c in r.compile_calls),
+        dataloaders=tuple(loader for r in records for loader in loaders(r)),
+        calls=tuple(calls.values()),
+        optimizer_steps=sum(r.optimizer_steps for r in records),
+        backward_steps=sum(r.backward_steps for r in records),
+        started=tuple(start for r in records for start in r.started),
+        shared_modules=tuple(m for r in records for m in r.shared_modules),
+        shared_updates=tuple({**u, "pid": r.process.get("pid")} for r in records for u in r.shared_updates),
+        switch_statements=tuple(statements.values()),
+        processes=tuple(summaries),
+    )
