@@ -11,7 +11,6 @@ from typing import Any
 from helpers import torchrepro
 from torchrepro.launch import python_hash_seed
 from torchrepro.runrecord import read_events
-from torchrepro.seeding import derive_seed
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
