@@ -27,6 +27,10 @@ ran):
   ``compare --json``: equal.
 - ``run_record_env_gpu``: the run record's ``env.json`` names the GPU (as torch names it), the
   driver, CUDA and cuDNN versions.
+- ``audit_on_device``: ``torchrepro audit`` of a script run on the device finds grid_sample's
+  backward (on CUDA cuDNN's sampler, which strict mode does not stop), scatter(reduce='multiply'),
+  a generator seeded from the clock, and a switch set only on CUDA (as run there; as a branch not
+  taken on the CPU).
 - ``invariant_data_parallel``: skipped until ``torchrepro.InvariantDataParallel`` exists.
 
 Invariants:
@@ -663,6 +667,74 @@ def check_invariant_data_parallel(ctx: Context) -> list[Row]:
     return [_row(check, "skip", "InvariantDataParallel is not built yet (issue 22)", present=False)]
 
 
+AUDIT_SCRIPT = """
+import time, sys, warnings
+import torch
+import torch.nn.functional as F
+
+device = sys.argv[1]
+torch.manual_seed(0)
+torch.set_num_threads(1)
+if torch.cuda.is_available():
+    torch.backends.cudnn.benchmark = True  # switch-on-cuda
+noise = torch.Generator(device=device).manual_seed(time.time_ns())  # clock-seed
+net = torch.nn.Conv2d(1, 2, 3, padding=1).to(device)
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+x = torch.randn(2, 1, 8, 8, device=device, requires_grad=True)
+grid = torch.rand(2, 6, 6, 2, device=device, generator=noise) * 2 - 1
+out = F.grid_sample(net(x), grid, align_corners=True)  # grid-sample
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    weights = torch.ones(4, device=device).scatter_(  # scatter-multiply
+        0, torch.tensor([0, 0, 1, 1], device=device), torch.full((4,), 2.0, device=device), reduce="multiply"
+    )
+out.sum().backward()
+opt.step()
+"""
+
+
+def _audit_line(marker: str) -> str:
+    number = next(n for n, line in enumerate(AUDIT_SCRIPT.splitlines(), 1) if line.endswith(f"# {marker}"))
+    return f"audited.py:{number}"
+
+
+def check_audit(ctx: Context) -> list[Row]:
+    """``torchrepro audit`` of a script that runs on the device: what it finds there."""
+    check = "audit_on_device"
+    folder = ctx.workdir / "audit"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "audited.py").write_text(AUDIT_SCRIPT, encoding="utf-8")
+    proc = _torchrepro(folder, "audit", "--json", "audited.py", ctx.device)
+    report = _verdict(proc)
+    if report is None:
+        return [_failed_command(check, "torchrepro audit", proc)]
+    found = {(f["code"], f["location"]): f for f in report.get("findings", [])}
+    grid_op = "aten.cudnn_grid_sampler_backward" if ctx.cuda else "aten.grid_sampler_2d_backward"
+    grid = found.get(("TR115", _audit_line("grid-sample")), {})
+    switch = found.get(("TR203", _audit_line("switch-on-cuda")), {})
+    scatter = found.get(("TR133", _audit_line("scatter-multiply")), {})
+    expected = {
+        # on CUDA cuDNN's sampler runs, which strict mode does not stop: an error that says so
+        "grid_sample": grid.get("severity") == "error"
+        and grid.get("op") == grid_op
+        and (("does not stop" in grid.get("message", "")) == ctx.cuda),
+        "scatter multiply": scatter.get("severity") == "error",
+        "clock-seeded generator": ("TR305", _audit_line("clock-seed")) in found,
+        # the branch runs on CUDA (reported as it ran), not on the CPU (reported as not taken)
+        "cudnn.benchmark on CUDA only": bool(switch)
+        and (("branch not taken" in switch.get("message", "")) != ctx.cuda),
+    }
+    missing = [name for name, ok in expected.items() if not ok]
+    detail = (
+        f"python -m torchrepro audit --json on {ctx.device}: exit {proc.returncode}; "
+        + ("found " + ", ".join(expected) if not missing else "missed: " + ", ".join(missing))
+        + f" (codes: {sorted({code for code, _ in found})})"
+    )
+    status = "pass" if not missing and proc.returncode == 1 else "fail"
+    findings = report.get("findings", [])
+    return [_row(check, status, detail, device=ctx.device, returncode=proc.returncode, findings=findings)]
+
+
 # --------------------------------------------------------------------------------------------
 
 CHECKS: list[tuple[str, Callable[[Context], list[Row]]]] = [
@@ -672,6 +744,7 @@ CHECKS: list[tuple[str, Callable[[Context], list[Row]]]] = [
     ("check_reproducible", check_reproducible),
     ("check_divergence", check_broken),
     ("run_record_compare", check_run_record),
+    ("audit_on_device", check_audit),
     ("invariant_data_parallel", check_invariant_data_parallel),
 ]
 """(the first row's check name, the function): the name labels an ``error`` row if it raises."""

@@ -29,6 +29,7 @@ CPU_PASSES = {
     "check_divergence",
     "locate_cuda_op",
     "run_record_compare",
+    "audit_on_device",
 }
 CUDA_ONLY = {"run_record_env_gpu"}
 
@@ -56,6 +57,7 @@ def test_every_row_is_reported_once_and_in_order(rows: dict[str, Row]) -> None:
         "locate_cuda_op",
         "run_record_compare",
         "run_record_env_gpu",
+        "audit_on_device",
         "invariant_data_parallel",
     ]
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_user_traceback(exc)
         code = 1
     finally:
-        session.close()
+        session.close(clean=code in (0, None))
     sys.stdout.flush()
     sys.stderr.flush()
     if code is None:

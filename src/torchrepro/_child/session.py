@@ -16,7 +16,8 @@ Invariants:
   script's globals hold; the tracing package is imported only when the spec asks for a trace or
   an op record.
 - The ranks of a run end their process group together (``_child.teardown``): installed at
-  ``configure``, finished at ``close``, after the last event is written.
+  ``configure``; at ``close``, after the last event is written, a group the script left alive is
+  ended so, in the process torchrepro started and when the script ended without an error.
 """
 
 from __future__ import annotations
@@ -184,7 +185,10 @@ class Session:
         except OSError as exc:
             print(f"torchrepro: could not note the varied DataLoaders: {exc}", file=sys.stderr)
 
-    def close(self) -> None:
+    def close(self, *, clean: bool = True) -> None:
+        """Flush and write what the run recorded. ``clean``: the script ended without an error
+        (only then does the process torchrepro started wait for its ranks to end together: a
+        failed rank must exit at once, so the launcher ends the others)."""
         if self.backward_steps is not None:
             self.backward_steps.flush()  # the last hand-written update
         self._stop_tracer()
@@ -195,7 +199,8 @@ class Session:
         if self.claim is not None and self.main:
             self.claim.touch()
         self._save_varied()
-        teardown.finish()
+        if clean and self.main:
+            teardown.finish()
 
 
 def _record_final_state(recorder: Recorder) -> None:

@@ -10,9 +10,10 @@ exception", SIGABRT), after its training finished. torch 2.13 on the CPU, plain 
 Invariants:
 - ``install`` wraps ``torch.distributed.destroy_process_group``: before the default group of a
   gloo world of several ranks is destroyed, every rank waits for the others
-  (``monitored_barrier``, with a timeout: a rank that never comes is named by gloo and not waited
-  for past it). Other groups and backends are destroyed as the script asks.
-- ``finish`` (at the end of a run) does the same for a default group the script left alive, then
+  (``monitored_barrier``, with a timeout of a minute: a rank that never comes is named by gloo
+  and not waited for past it). Other groups and backends are destroyed as the script asks.
+- ``finish`` (at the end of a run that ended without an error: a failed rank exits at once, so
+  its launcher ends the others) does the same for a default group the script left alive, then
   destroys it, so nothing is left for the interpreter's exit to race.
 - It orders the teardown only: it never changes what the script computed, and an error in it is
   printed and ignored (the run's exit code is the script's).
@@ -27,7 +28,7 @@ from typing import Any
 
 __all__ = ["finish", "install"]
 
-TIMEOUT = datetime.timedelta(seconds=120)
+TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _wait_for_the_others(dist: Any) -> None:
