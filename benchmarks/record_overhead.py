@@ -2,7 +2,10 @@
 optimizer state and parameters at every optimizer step, appended to the events file) costs at most
 ~1.10x the plain training loop, and at most 1.05x the whole process.
 
-Run: ``python benchmarks/record_overhead.py [--samples 4096] [--repeats 3] [--workers 2]``.
+Run: ``python benchmarks/record_overhead.py [--samples 4096] [--repeats 3] [--workers 2] [--busy N]``.
+
+``--busy N`` measures on a busy machine: N processes spinning in pure Python, started by the
+benchmark itself, hold the cores for the whole measurement (target there too: loop <= 1.10x).
 
 Side by side in one run, interleaved, each in a fresh process with the same settings (seed 0,
 strict mode, same threads (``--threads``, default 1), same PYTHONHASHSEED):
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import compileall
+import multiprocessing
 import os
 import resource
 import statistics
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,6 +79,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads in both (default 1)")
+    parser.add_argument("--busy", type=int, default=0, help="busy processes holding the cores meanwhile")
     parser.add_argument("--child", choices=["plain", "recorded"], default=None)
     args = parser.parse_args()
     if args.child:
@@ -81,12 +87,32 @@ def main() -> None:
         return
 
     import torchrepro
-    from torchrepro.launch import child_env
 
     # Byte-compile the package first, as installing it does: where PYTHONDONTWRITEBYTECODE is set
     # (this machine) every process would otherwise compile the modules it imports, and the
     # bootstrap imports more of them than the plain script.
     compileall.compile_dir(os.path.dirname(torchrepro.__file__), quiet=1)
+
+    stop = multiprocessing.Event()
+    busy = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.busy)]
+    for p in busy:
+        p.start()
+    try:
+        _measure_all(args)
+    finally:
+        stop.set()
+        for p in busy:
+            p.join()
+
+
+def _spin(stop: Any) -> None:
+    x = 0
+    while not stop.is_set():
+        x += 1
+
+
+def _measure_all(args: argparse.Namespace) -> None:
+    from torchrepro.launch import child_env
 
     me = str(Path(__file__).resolve())
     opts = ["--samples", str(args.samples), "--epochs", str(args.epochs), "--workers", str(args.workers)]
@@ -110,7 +136,7 @@ def main() -> None:
     steps = args.epochs * -(-args.samples // 32)
     print(
         f"digits CNN, {steps} optimizer steps, batch 32, {args.workers} workers, {args.threads} thread(s), "
-        f"{args.repeats} repeats in alternating order (median)"
+        f"{args.repeats} repeats in alternating order (median), {args.busy} busy processes"
     )
     base = [statistics.median(x[i] for x in results["plain"]) for i in range(3)]
     for name, rows in results.items():

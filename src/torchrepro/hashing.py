@@ -16,7 +16,9 @@ Invariants:
   leave the device. On the CPU the chunks are large enough (1 MiB of words) for torch's own
   intra-op threads to share each op, which scales where splitting the words among Python threads
   did not (each op's Python call holds the GIL); integer sums do not depend on how the threads
-  split them either. Small tensors take a fast path over their bytes with ``hashlib``.
+  split them either. On a busy machine one thread is faster than torch's: each large tensor is
+  hashed with the count measured faster so far (``_ThreadChoice``). Small tensors take a fast
+  path over their bytes with ``hashlib``.
 - Nothing here changes global torch state; unsupported objects raise ``TypeError`` naming the
   type and where it sits inside the container.
 - This is the one tensor-hashing module: ``exact_digest`` (op traces) and the checkpoint
@@ -37,6 +39,7 @@ import reprlib
 import struct
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from concurrent.futures import ThreadPoolExecutor
@@ -490,7 +493,73 @@ class _WordMixer:
             self.position += n
 
 
+#: A CPU tensor of at least this many bytes has its hashing timed, for the choice of threads.
+_TIMED_BYTES = 1 << 22
+
+
+class _ThreadChoice:
+    """How many intra-op threads hash a large CPU tensor: torch's setting, or one.
+
+    Every op of a chunk is a parallel region that ends when its slowest thread does. On a machine
+    whose cores are busy (DataLoader workers, other jobs) torch's threads are descheduled in turn
+    and each of the ten ops of every chunk waits for one: measured on 2 cores with two busy
+    processes, 2 threads hashed at 0.05-0.5 GB/s where one thread kept 1-3 GB/s. So each large
+    tensor's throughput is measured under the count it used, and the faster count is used next;
+    the other is tried again every ``_RETRY`` large tensors (a machine that quiets down gets its
+    threads back). The digest does not depend on the count (integer sums): only the speed does.
+    """
+
+    _RETRY = 16
+
+    def __init__(self) -> None:
+        self.rate: dict[int, float] = {}  # threads -> bytes/s, a running mean
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def pick(self, threads: int) -> int:
+        if threads <= 1:
+            return threads
+        with self.lock:
+            self.calls += 1
+            known = {n: r for n, r in self.rate.items() if n in (1, threads)}
+            if len(known) < 2:
+                return 1 if threads in known else threads  # measure both first
+            best = max(known, key=known.__getitem__)
+            if self.calls % self._RETRY == 0:
+                return 1 if best == threads else threads
+            return best
+
+    def record(self, threads: int, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        with self.lock:
+            new = nbytes / seconds
+            old = self.rate.get(threads)
+            self.rate[threads] = new if old is None else (old + new) / 2
+
+
+_thread_choice = _ThreadChoice()
+
+
 def _word_digest(t: torch.Tensor) -> bytes:
+    """The words' digest; a large CPU tensor with the faster of torch's thread count and one."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes < _TIMED_BYTES:
+        return _mix_words(t)
+    threads = torch.get_num_threads()
+    use = _thread_choice.pick(threads)
+    if use != threads:
+        torch.set_num_threads(use)
+    start = time.perf_counter()
+    try:
+        return _mix_words(t)
+    finally:
+        _thread_choice.record(use, nbytes, time.perf_counter() - start)
+        if use != threads:
+            torch.set_num_threads(threads)
+
+
+def _mix_words(t: torch.Tensor) -> bytes:
     on_cpu = t.device.type == "cpu"
     chunk = _CPU_CHUNK_WORDS if on_cpu else _DEVICE_CHUNK_WORDS
     mixer = _WordMixer(t.device, chunk)
