@@ -280,3 +280,16 @@ def test_check_runs_wait_passively_unless_the_user_chose(
     assert (
         make_run(1, tmp_path / "run1", ["python", "x.py"], BASE, ranks=1).env["OMP_WAIT_POLICY"] == "ACTIVE"
     )
+
+
+def test_processes_of_one_run_noting_the_same_are_named_once(tmp_path: Path) -> None:
+    runs = []
+    for i in range(2):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        for pid in (11, 12):  # two forked trainers each
+            runrecord.write_uncovered(d, pid, ["python", "hogwild.py"], "it was forked")
+        runs.append(make_run(i, d, ["python"], BASE, ranks=1))
+    assert rank_notes(runs, None) == [
+        "run(s) 1, 2: python child `python hogwild.py` was not recorded: it was forked"
+    ]

@@ -218,7 +218,9 @@ def rank_notes(runs: list[Run], nproc: int | None) -> list[str]:
     children: dict[str, list[int]] = {}
     for run in runs:
         for line in runrecord.read_uncovered(run.record_dir):
-            children.setdefault(line, []).append(run.index + 1)
+            indices = children.setdefault(line, [])
+            if run.index + 1 not in indices:  # several processes of one run noting the same
+                indices.append(run.index + 1)
     for line, indices in children.items():
         notes.append(f"run(s) {', '.join(map(str, indices))}: {line}")
     return notes
