@@ -28,18 +28,29 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchrepro.errors import EnvFileError, ReproError
-from torchrepro.events import FINAL_KEY, counted_kind, describe_name, earliest, optimizer_index
-from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json
+from torchrepro.events import (
+    FINAL_KEY,
+    counted_kind,
+    describe_name,
+    earliest,
+    is_optimizer_key,
+    optimizer_index,
+)
+from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json, read_uncovered
 
 __all__ = [
+    "FINAL_NOT_LOCATED",
+    "UNRECORDED_REASON",
     "Comparison",
     "Coverage",
     "Divergence",
     "RankCursor",
     "compare_runs",
     "coverage",
+    "final_state_reason",
     "first_divergence",
     "locate_in_traces",
+    "optimizer_steps",
 ]
 
 
@@ -82,6 +93,18 @@ class Divergence:
             "dtype": self.dtype,
         }
 
+    @property
+    def final_state(self) -> bool:
+        """Whether the runs part in the state at exit (the ``final`` event), not in a recorded step."""
+        return counted_kind(self.kind, self.key) == FINAL_KEY
+
+    def final_module(self) -> str | None:
+        """The variable of ``__main__`` holding the module whose final state differs (``model``)."""
+        prefix = f"{FINAL_KEY}:"
+        if not self.final_state or not self.name or not self.name.startswith(prefix):
+            return None
+        return self.name[len(prefix) :].split(".", 1)[0] or None
+
     def what(self) -> str | None:
         """The differing tensor in words: ``gradient of fc.weight``, ``batch field [0] float32[4, 3]``."""
         if self.name is None:
@@ -109,6 +132,8 @@ class RankCursor:
         self.compared: dict[str, int] = {}
         """Events compared so far, per kind (the diverging one included; the ``compute`` event of
         the state at exit counts as ``final``)."""
+        self.optimizer_steps: dict[str, int] = {}
+        """Optimizer steps compared so far, per optimizer key (the diverging one included)."""
 
     def advance(self, *, a_done: bool = False, b_done: bool = False) -> Divergence | None:
         """Compare every event both sides now have; with ``*_done`` a missing event diverges."""
@@ -121,6 +146,8 @@ class RankCursor:
                 self.compared[counted] = self.compared.get(counted, 0) + 1
                 if counted == "compute":
                     self.max_step_compared = max(self.max_step_compared, ea["step"])
+                    if is_optimizer_key(ea["key"]):
+                        self.optimizer_steps[ea["key"]] = self.optimizer_steps.get(ea["key"], 0) + 1
                 if not _same(ea, eb):
                     self.divergence = _divergence(ea, eb, self.rank, i)
                     break
@@ -281,11 +308,16 @@ class Comparison:
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
+    """How the runs were started differently, python processes that trained unrecorded, why the
+    environments were not compared, and what locating the source op did or could not do."""
     setting_differences: tuple[SettingDifference, ...] = ()
     """How the two runs were started differently (command line, seed, mode, threads, vary...),
     the likeliest cause of a divergence; also the first ``notes``."""
-    """Why the environments were not compared, and what locating the source op did or could not do
-    (op traces missing, of another step, unreadable...)."""
+    optimizer_steps: dict[str, int] = field(default_factory=dict)
+    """Optimizer steps compared per optimizer key (``optimizer0``...), in optimizer order."""
+    reason: str | None = None
+    """In one line, why the verdict is inconclusive, or that the runs differ only in the final
+    state (the training that changed it was not recorded); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
@@ -293,8 +325,11 @@ class Comparison:
             "reproducible": self.reproducible,
             "runs": 2,
             "steps_compared": self.steps_compared,
+            "optimizer_steps": sum(self.optimizer_steps.values()),
+            "steps_per_optimizer": dict(self.optimizer_steps),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "inconclusive": self.reproducible is None,
+            "reason": self.reason,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "env_differences": [_env_diff_dict(d) for d in self.env_differences],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
@@ -383,11 +418,14 @@ class Coverage:
         """Whether an "identical" verdict may be claimed from what was compared."""
         return bool(self.ranks_expected) and not self.uncovered_ranks
 
-    def inconclusive_note(self) -> str:
-        """Why an "identical" verdict cannot be claimed (for a coverage that is not conclusive)."""
+    def inconclusive_note(self, *, unrecorded: bool = False) -> str:
+        """Why an "identical" verdict cannot be claimed (for a coverage that is not conclusive).
+
+        ``unrecorded``: processes the script started trained without a record (a note names them).
+        """
         covered = [r for r in self.ranks_expected if r not in self.uncovered_ranks]
         if not covered:
-            return f"inconclusive: {INCONCLUSIVE_HINT}"
+            return f"inconclusive: {UNRECORDED_HINT if unrecorded else INCONCLUSIVE_HINT}"
         uncovered = ", ".join(map(str, self.uncovered_ranks))
         return (
             f"inconclusive: nothing that changes during training was compared on rank(s) {uncovered} "
@@ -395,8 +433,27 @@ class Coverage:
             "compared cannot pass"
         )
 
-    def describe(self) -> str:
-        """One line for people: what was compared, and what was not."""
+    def inconclusive_reason(self, *, unrecorded: bool = False) -> str:
+        """The headline of an inconclusive verdict: what was not compared, in one line."""
+        covered = [r for r in self.ranks_expected if r not in self.uncovered_ranks]
+        if not covered and unrecorded:
+            return (
+                "nothing was compared: the training ran in python processes torchrepro does not "
+                "record (see the notes)"
+            )
+        if not covered:
+            return (
+                "nothing that changes during training was compared: the script took no optimizer step, "
+                "ran no backward(), read no DataLoader batch and recorded no value"
+            )
+        uncovered = ", ".join(map(str, self.uncovered_ranks))
+        return (
+            f"rank(s) {uncovered} were not compared: nothing that changes during training was recorded "
+            f"there (training was compared on rank(s) {', '.join(map(str, covered))})"
+        )
+
+    def describe(self, *, uncovered: bool = True) -> str:
+        """One line for people: what was compared, and (``uncovered``) what was not."""
         counts = self.per_kind
         parts = [f"{counts.get(kind, 0)} {kind}" for kind in ("init", "data", "compute", "record")]
         if counts.get(FINAL_KEY):
@@ -404,7 +461,7 @@ class Coverage:
         text = "events compared: " + ", ".join(parts)
         if len(self.ranks_expected) > 1:
             text += f" over ranks {', '.join(map(str, self.ranks_expected))}"
-        if self.uncovered_ranks:
+        if uncovered and self.uncovered_ranks:
             text += "; nothing beyond init compared on rank(s) " + ", ".join(map(str, self.uncovered_ranks))
         return text
 
@@ -434,9 +491,59 @@ INCONCLUSIVE_HINT = (
 )
 
 
+UNRECORDED_HINT = (
+    "nothing that changes during training was compared: the training ran in python processes "
+    "the script started that torchrepro does not record (the notes name them); train in the "
+    "process torchrepro starts, give each rank a process group or a RANK of its own, or call "
+    "torchrepro.record(name, value) on what should be reproducible, e.g. the final weights"
+)
+
+FINAL_NOT_LOCATED = (
+    "not located: the runs differ in no recorded training step, only in the state at exit, so "
+    "there is no step to re-run with op tracing"
+)
+"""The note of a divergence seen only in the final state (locating traces a recorded step)."""
+
+
+def final_state_reason(d: Divergence, covered: Coverage | None, *, unrecorded: bool) -> str:
+    """The headline of a divergence seen only in the final state: which module, and why no recorded
+    step shows it (``unrecorded``: processes the script started trained without a record)."""
+    module = d.final_module() or "a module the script holds"
+    steps = 0 if covered is None else covered.per_rank.get(d.rank, {}).get("compute", 0)
+    if unrecorded:
+        why = "it trained in python processes torchrepro does not record: see the notes"
+    elif steps:
+        why = (
+            "every recorded training step matched: it changed after the last of them or beside them, "
+            "through an update that no optimizer step or backward() made"
+        )
+    else:
+        why = (
+            "the process holding it took no optimizer step and ran no backward() torchrepro sees: "
+            "e.g. gradients from torch.autograd.grad applied by hand, weights loaded or set outside "
+            "training, or initial values drawn unseeded; torchrepro.record(name, value) where it "
+            "changes finds the step"
+        )
+    return (
+        f"the runs differ only in the final state of {module}: the training that changed it was not "
+        f"recorded ({why})"
+    )
+
+
 def steps_compared(cursors: list[RankCursor]) -> int:
     """Optimizer steps compared: the highest compute step index reached on any rank, plus one."""
     return max((c.max_step_compared for c in cursors), default=-1) + 1
+
+
+def optimizer_steps(cursors: Sequence[RankCursor]) -> dict[str, int]:
+    """Optimizer steps compared per optimizer key, in optimizer order: the most any rank (and pair
+    of runs) compared, so two optimizers stepping 20 times each are ``{"optimizer0": 20,
+    "optimizer1": 20}``."""
+    found: dict[str, int] = {}
+    for cursor in cursors:
+        for key, n in cursor.optimizer_steps.items():
+            found[key] = max(found.get(key, 0), n)
+    return {key: found[key] for key in sorted(found, key=optimizer_index)}
 
 
 def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> Comparison:
@@ -456,16 +563,27 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
         if first.index < len(ea) and first.index < len(eb):
             tensor = tensor_difference(ea[first.index], eb[first.index])
+    started = setting_differences(a, b)
+    unrecorded = _unrecorded(a, b)
     env_differences, notes = _env_differences(a, b)
-    if first is not None and first.kind == "compute":
+    notes = unrecorded + notes
+    covered = coverage(cursors, sorted(set(a.events) | set(b.events)))
+    reason = None
+    if first is not None and first.final_state:
+        reason = final_state_reason(first, covered, unrecorded=bool(unrecorded))
+        notes.append(FINAL_NOT_LOCATED)
+    elif first is not None and first.kind == "compute":
         first, locate_notes = _locate_recorded(first, a, b)
         notes += locate_notes
-    covered = coverage(cursors, sorted(set(a.events) | set(b.events)))
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
-        notes.append(covered.inconclusive_note())
-    started = setting_differences(a, b)
+        reason = covered.inconclusive_reason(unrecorded=bool(unrecorded))
+        notes.append(covered.inconclusive_note(unrecorded=bool(unrecorded)))
+    elif first is None and unrecorded:
+        reproducible = None
+        reason = UNRECORDED_REASON
+        notes.append(f"inconclusive: {UNRECORDED_REASON}")
     return Comparison(
         reproducible=reproducible,
         steps_compared=steps_compared(cursors),
@@ -475,7 +593,25 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         tensor=tensor,
         notes=tuple(d.describe() for d in started) + tuple(notes),
         setting_differences=started,
+        optimizer_steps=optimizer_steps(cursors),
+        reason=reason,
     )
+
+
+UNRECORDED_REASON = (
+    "a python process the script started trained without a record, so its training was not compared"
+)
+"""The headline of a verdict with no divergence while a process the script started trained
+unrecorded (its note names it)."""
+
+
+def _unrecorded(a: RunRecord, b: RunRecord) -> list[str]:
+    """The notes of python processes that trained without a record in either run, each once."""
+    la, lb = read_uncovered(a.path), read_uncovered(b.path)
+    notes = [f"in both runs: {line}" for line in la if line in lb]
+    notes += [f"in run A: {line}" for line in la if line not in lb]
+    notes += [f"in run B: {line}" for line in lb if line not in la]
+    return notes
 
 
 def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
