@@ -411,6 +411,30 @@ def test_a_final_state_divergence_is_said_so_and_the_record_path_printed_once(
     assert (out + err).count("/checks/final-1") == 1
 
 
+def test_compare_leaves_out_what_every_two_records_differ_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_env = dataclasses.replace(
+        ENV, collected_at="2026-01-01T00:00:00+00:00", env_vars={"TORCHREPRO_RECORD_DIR": "/r/a"}
+    )
+    b_env = dataclasses.replace(
+        a_env,
+        collected_at="2026-01-01T00:00:05+00:00",
+        hostname="beta",
+        env_vars={"TORCHREPRO_RECORD_DIR": "/r/b"},
+    )
+    a = make_record(tmp_path / "a", ["x", "y"], env=a_env)
+    b = make_record(tmp_path / "b", ["x", "y"], env=b_env)
+    assert main(["compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "collected_at" not in out and "RECORD_DIR" not in out and "/r/a" not in out
+    assert "harmless env differences: hostname" in out
+    assert " ! " not in out  # nothing that breaks reproducibility
+    assert main(["compare", a, b, "--json"]) == 0
+    listed = {d["key"]: d["volatile"] for d in json.loads(capsys.readouterr().out)["env_differences"]}
+    assert listed == {"collected_at": True, "env_vars.TORCHREPRO_RECORD_DIR": True, "hostname": False}
+
+
 # --- env diff -------------------------------------------------------------------------------------
 
 

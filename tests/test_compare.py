@@ -351,7 +351,8 @@ def test_environment_differences_are_listed(tmp_path: Path) -> None:
     assert found == {"num_threads": (4, 8, True), "hostname": ("alpha", "beta", False)}
     listed = result.to_dict()["env_differences"]
     assert {d["key"] for d in listed} == {"num_threads", "hostname"}
-    assert all(set(d) == {"key", "a", "b", "breaks", "reason"} for d in listed)
+    assert all(set(d) == {"key", "a", "b", "breaks", "reason", "volatile", "setting"} for d in listed)
+    assert not any(d["volatile"] or d["setting"] for d in listed)  # neither is when/where, nor a setting
 
 
 @pytest.mark.parametrize(
@@ -615,3 +616,85 @@ def test_an_inconclusive_reason_is_specific() -> None:
     # a definite divergence does not carry the "nothing compared" remark
     assert "nothing beyond init" in nothing.describe()
     assert "nothing beyond init" not in nothing.describe(uncovered=False)
+
+
+THREADS_ENV = dataclasses.replace(
+    ENV,
+    collected_at="2026-01-01T00:00:00+00:00",
+    env_vars={
+        "OMP_NUM_THREADS": None,
+        "TORCHREPRO_RECORD_DIR": "/records/a",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    },
+)
+
+
+def test_compare_names_a_threads_difference_a_setting_and_marks_volatile_fields(tmp_path: Path) -> None:
+    env_b = dataclasses.replace(
+        THREADS_ENV,
+        collected_at="2026-01-01T00:00:09+00:00",
+        env_vars={
+            "OMP_NUM_THREADS": "2",
+            "TORCHREPRO_RECORD_DIR": "/records/b",
+            "CUBLAS_WORKSPACE_CONFIG": ":16:8",
+        },
+    )
+    a = make_record(tmp_path / "a", {0: training(2)}, env=THREADS_ENV.to_dict(), settings=RunSettings(seed=0))
+    b = make_record(
+        tmp_path / "b",
+        {0: training(2)},
+        env=env_b.to_dict(),
+        settings=RunSettings(seed=0, threads=2, OMP_NUM_THREADS="2"),
+    )
+    result = compare_runs(a, b)
+    assert [d.name for d in result.setting_differences] == ["threads"]  # OMP_NUM_THREADS is the same cause
+    assert result.notes[0].startswith(
+        "started with different threads: not pinned vs 2 (a settings difference, not nondeterminism"
+    )
+    listed = {d["key"]: d for d in result.to_dict()["env_differences"]}
+    assert (listed["collected_at"]["volatile"], listed["collected_at"]["setting"]) == (True, None)
+    assert listed["env_vars.TORCHREPRO_RECORD_DIR"]["volatile"] is True
+    assert (
+        listed["env_vars.OMP_NUM_THREADS"]["volatile"],
+        listed["env_vars.OMP_NUM_THREADS"]["setting"],
+    ) == (
+        False,
+        "threads",
+    )
+    # control: a difference no setting explains is neither
+    assert (
+        listed["env_vars.CUBLAS_WORKSPACE_CONFIG"]["setting"],
+        listed["env_vars.CUBLAS_WORKSPACE_CONFIG"]["volatile"],
+    ) == (None, False)
+
+
+def test_compare_passes_a_threads_difference_to_the_op_locator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op whose output depends on the thread count is a settings difference, not nondeterminism."""
+    import torchrepro.compare as compare_module
+
+    seen: list[str | None] = []
+
+    def fake_locate(first: Divergence, traces: Any, *, varied: str | None = None) -> Any:
+        seen.append(varied)
+        return None, [], []
+
+    monkeypatch.setattr(compare_module, "locate_in_traces", fake_locate)
+    for name, threads in (("a", 1), ("b", 2)):
+        run = make_record(
+            tmp_path / name,
+            {0: training(2, fps={0: name})},
+            settings=RunSettings(seed=0, threads=threads, trace_step=0),
+        )
+        trace_path(trace_prefix(run, 0), 0).write_text("{}")
+    compare_runs(tmp_path / "a", tmp_path / "b")
+    assert seen == ["between 1 thread (run A) and 2 threads (run B)"]
+    # control: runs started alike pass no setting
+    seen.clear()
+    run = make_record(
+        tmp_path / "c", {0: training(2, fps={0: "c"})}, settings=RunSettings(seed=0, threads=1, trace_step=0)
+    )
+    trace_path(trace_prefix(run, 0), 0).write_text("{}")
+    compare_runs(tmp_path / "a", tmp_path / "c")
+    assert seen == [None]

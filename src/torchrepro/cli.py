@@ -456,19 +456,37 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             kind = result.first_divergence.kind if result.first_divergence is not None else ""
             label = describe_name(t.name, kind) if t.name else f"#{t.leaf}"
             print(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
-        breaking = [d for d in data["env_differences"] if d.get("breaks")]
-        for d in data["env_differences"]:
-            mark = "!" if d.get("breaks") else " "
-            print(f" {mark} env {d.get('key')}: {d.get('a')!r} vs {d.get('b')!r}  ({d.get('reason')})")
-        if not data["env_differences"]:
-            print("  environments: no difference recorded")
-        elif breaking:
-            print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
+        _render_env_differences(data["env_differences"])
         if result.coverage is not None:
             print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
     if result.reproducible is None:
         return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
+
+
+def _render_env_differences(differences: list[dict[str, Any]]) -> None:
+    """``compare``'s environment lines: each difference that can break reproducibility (``!``);
+    those a setting difference above set, and the harmless ones, named in one line each; the
+    ones every pair of records has (when and where each was recorded) left out."""
+    shown = [d for d in differences if not d.get("volatile")]
+    explained = [d for d in shown if d.get("setting")]
+    breaking = [d for d in shown if d.get("breaks") and not d.get("setting")]
+    harmless = [d for d in shown if not d.get("breaks") and not d.get("setting")]
+    for d in breaking:
+        print(f" ! env {d.get('key')}: {d.get('a')!r} vs {d.get('b')!r}  ({d.get('reason')})")
+    if explained:
+        by_setting: dict[str, list[str]] = {}
+        for d in explained:
+            by_setting.setdefault(str(d.get("setting")), []).append(str(d.get("key")))
+        for setting, keys in by_setting.items():
+            print(f"   env set by the {setting} setting above: {', '.join(keys)}")
+    if harmless:
+        names = ", ".join(str(d.get("key")) for d in harmless)
+        print(f"   harmless env differences: {names} (`torchrepro env diff` explains each)")
+    if not shown:
+        print("  environments: no difference recorded")
+    elif breaking:
+        print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
 
 
 def _render_audit(report: AuditReport) -> str:

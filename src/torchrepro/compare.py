@@ -235,17 +235,33 @@ class TensorDifference:
 
 @dataclass(frozen=True)
 class SettingDifference:
-    """One way two runs were started differently: a ``settings.json`` field or the command line."""
+    """One way two runs were started differently: a ``settings.json`` field or the command line.
+
+    ``detail`` says what the difference means where the bare values would mislead (a thread count
+    is a setting, not nondeterminism).
+    """
 
     name: str
     a: Any
     b: Any
+    detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "a": self.a, "b": self.b}
 
     def describe(self) -> str:
-        return f"started with different {self.name}: {self.a!r} vs {self.b!r}"
+        a, b = (_UNSET.get(self.name, "not set") if v is None else repr(v) for v in (self.a, self.b))
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"started with different {self.name}: {a} vs {b}{detail}"
+
+
+_UNSET = {"threads": "not pinned", "OMP_NUM_THREADS": "unset", "vary": "none"}
+"""How a setting that was not given reads (``None`` among a record's settings)."""
+
+_THREADS_DETAIL = (
+    "a settings difference, not nondeterminism: CPU reductions split across another number of "
+    "threads can round differently; give both runs the same --threads"
+)
 
 
 # settings.json fields that change what a run computes (not the run's index or what was traced)
@@ -274,10 +290,82 @@ def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, 
                 found.append(SettingDifference(name, va, vb))
         if found and found[0].name == "seed":  # the hash seed is derived from the seed: one cause
             found = [d for d in found if d.name != "PYTHONHASHSEED"]
+        if any(d.name == "threads" for d in found):  # --threads sets OMP_NUM_THREADS: one cause
+            found = [
+                replace(d, detail=_threads_detail(a, b)) if d.name == "threads" else d
+                for d in found
+                if d.name != "OMP_NUM_THREADS"
+            ]
     argv_a, argv_b = _script_args(a), _script_args(b)
     if argv_a is not None and argv_b is not None and argv_a != argv_b:
         found.append(SettingDifference("arguments", " ".join(argv_a), " ".join(argv_b)))
     return tuple(found)
+
+
+def _threads_detail(a: RunRecord, b: RunRecord) -> str:
+    """What a ``--threads`` difference means; when both environments show the count in use."""
+    used = [None if run.env is None else run.env.get("num_threads") for run in (a, b)]
+    if used[0] is not None and used[0] == used[1] and isinstance(used[0], int):
+        return f"{_THREADS_DETAIL}; both runs used {used[0]} threads, so here it changed nothing"
+    return _THREADS_DETAIL
+
+
+def _varied_threads(started: Sequence[SettingDifference]) -> str | None:
+    """A thread-count difference in the words ``locate_in_traces`` takes (else None)."""
+    for d in started:
+        if d.name == "threads":
+            a, b = (
+                f"{v} thread{'s' if v != 1 else ''}" if v is not None else "unpinned threads"
+                for v in (d.a, d.b)
+            )
+            return f"between {a} (run A) and {b} (run B)"
+    return None
+
+
+def _explained_env_keys(setting: str) -> tuple[str, ...]:
+    """The environment keys (``env_diff`` keys, or their prefixes) a setting difference sets."""
+    from torchrepro._child.spec import CPU_CAPABILITY_VAR, variable
+
+    threads = (
+        "num_threads",
+        "omp_max_threads",
+        "mkl_max_threads",
+        "env_vars.OMP_NUM_THREADS",
+        "env_vars.MKL_NUM_THREADS",
+        f"env_vars.{variable('threads')}",
+    )
+    hash_seed = ("env_vars.PYTHONHASHSEED",)
+    table: dict[str, tuple[str, ...]] = {
+        "seed": (f"env_vars.{variable('seed')}", *hash_seed),
+        "mode": (f"env_vars.{variable('mode')}", "determinism"),
+        "threads": threads,
+        "OMP_NUM_THREADS": threads,
+        "cpu_capability": (
+            f"env_vars.{variable('cpu_capability')}",
+            f"env_vars.{CPU_CAPABILITY_VAR}",
+            "cpu_capability",
+        ),
+        "PYTHONHASHSEED": hash_seed,
+        "steps": (f"env_vars.{variable('max_steps')}",),
+        "vary": (f"env_vars.{variable('num_workers')}", *hash_seed, *threads),
+    }
+    return table.get(setting, ())
+
+
+def explaining_setting(key: str, started: Sequence[SettingDifference]) -> str | None:
+    """The setting difference (``threads``...) that set the environment difference ``key``, if any."""
+    for d in started:
+        if any(key == k or key.startswith((k + ".", k + "[")) for k in _explained_env_keys(d.name)):
+            return d.name
+    return None
+
+
+def is_volatile(key: str) -> bool:
+    """Whether an environment difference exists between any two records: when each was collected,
+    where each run wrote its record. Never a cause; ``compare`` leaves them out of its report."""
+    from torchrepro._child.spec import LOCATION_VARIABLES
+
+    return key == "collected_at" or key in {f"env_vars.{v}" for v in LOCATION_VARIABLES}
 
 
 def _script_args(run: RunRecord) -> list[str] | None:
@@ -320,7 +408,12 @@ class Comparison:
     state (the training that changed it was not recorded); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
+        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``.
+
+        Each environment difference also says whether it exists between any two records
+        (``volatile``: when and where each was recorded) and which setting difference set it
+        (``setting``, e.g. ``threads``; else None).
+        """
         return {
             "reproducible": self.reproducible,
             "runs": 2,
@@ -331,20 +424,19 @@ class Comparison:
             "inconclusive": self.reproducible is None,
             "reason": self.reason,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
-            "env_differences": [_env_diff_dict(d) for d in self.env_differences],
+            "env_differences": [_env_diff_dict(d, self.setting_differences) for d in self.env_differences],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
             "notes": list(self.notes),
         }
 
 
-def _env_diff_dict(d: Any) -> dict[str, Any]:
+def _env_diff_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[str, Any]:
     to_dict = getattr(d, "to_dict", None)
-    if callable(to_dict):
-        result = to_dict()
-        if isinstance(result, dict):
-            return result
-    keys = ("key", "a", "b", "breaks", "reason")
-    return {k: getattr(d, k, None) for k in keys}
+    result = to_dict() if callable(to_dict) else None
+    if not isinstance(result, dict):
+        result = {k: getattr(d, k, None) for k in ("key", "a", "b", "breaks", "reason")}
+    key = str(result.get("key"))
+    return {**result, "volatile": is_volatile(key), "setting": explaining_setting(key, started)}
 
 
 def _largest_difference(va: list[float], vb: list[float]) -> float | None:
@@ -573,7 +665,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         reason = final_state_reason(first, covered, unrecorded=bool(unrecorded))
         notes.append(FINAL_NOT_LOCATED)
     elif first is not None and first.kind == "compute":
-        first, locate_notes = _locate_recorded(first, a, b)
+        first, locate_notes = _locate_recorded(first, a, b, varied=_varied_threads(started))
         notes += locate_notes
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
@@ -641,7 +733,9 @@ def _traced_optimizer(run: RunRecord) -> int:
     return 0 if value is None else value
 
 
-def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Divergence, list[str]]:
+def _locate_recorded(
+    first: Divergence, a: RunRecord, b: RunRecord, *, varied: str | None = None
+) -> tuple[Divergence, list[str]]:
     """Fill op/module/location of a compute divergence from the runs' op traces of its step."""
     k = first.step
     hint = (
@@ -659,7 +753,7 @@ def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Div
     if first.rank not in ranks:
         return first, [f"the op traces of step {k} do not cover rank {first.rank}; {hint}"]
     pairs = [(r, a.traces[k][r], b.traces[k][r]) for r in ranks]
-    located, notes, failed = locate_in_traces(first, pairs)
+    located, notes, failed = locate_in_traces(first, pairs, varied=varied)
     if located is not None:
         return located, notes
     if failed:
