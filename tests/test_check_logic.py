@@ -16,9 +16,17 @@ from hypothesis import strategies as st
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ENV_PREFIX, ChildSpec, python_hash_seed
-from torchrepro.check import VARY_CHOICES, CheckResult, _run_spec, check_script
-from torchrepro.check_runs import make_run, rank_notes
-from torchrepro.compare import Divergence
+from torchrepro.check import (
+    VARY_CHOICES,
+    CheckResult,
+    _no_trace,
+    _run_spec,
+    _steps_note,
+    _varied_text,
+    check_script,
+)
+from torchrepro.check_runs import make_run, rank_notes, varied_workers
+from torchrepro.compare import Coverage, Divergence
 from torchrepro.errors import LaunchError
 
 BASE = ChildSpec(seed=5, mode="warn", max_steps=3)
@@ -161,8 +169,12 @@ def test_check_result_to_dict_shape() -> None:
         "reproducible": True,
         "runs": 2,
         "steps_compared": 4,
+        "optimizer_steps": 0,
+        "steps_per_optimizer": {},
         "first_divergence": None,
         "inconclusive": False,
+        "reason": None,
+        "varied": None,
         "coverage": None,
         "notes": [],
     }
@@ -200,8 +212,12 @@ def test_check_result_error_only_when_set() -> None:
         "reproducible": None,
         "runs": 2,
         "steps_compared": 0,
+        "optimizer_steps": 0,
+        "steps_per_optimizer": {},
         "first_divergence": None,
         "inconclusive": False,  # a failed run is an error, not an inconclusive verdict
+        "reason": None,
+        "varied": None,
         "coverage": None,
         "notes": [],
         "error": "run 2 of 2 failed with exit code 1",
@@ -280,3 +296,88 @@ def test_check_runs_wait_passively_unless_the_user_chose(
     assert (
         make_run(1, tmp_path / "run1", ["python", "x.py"], BASE, ranks=1).env["OMP_WAIT_POLICY"] == "ACTIVE"
     )
+
+
+# --- what the verdict says ------------------------------------------------------------------------
+
+
+def test_what_vary_threads_and_hashseed_changed_in_words() -> None:
+    threads = [_run_spec(BASE, "threads", i, seed=5) for i in range(3)]
+    assert _varied_text("threads", threads) == "1 vs 2 threads"
+    hashed = [_run_spec(BASE, "hashseed", i, seed=5) for i in range(3)]
+    h = [python_hash_seed(5, "vary", i) for i in range(3)]
+    assert _varied_text("hashseed", hashed) == f"PYTHONHASHSEED {h[0]} vs {h[1]}, {h[2]}"
+    assert _varied_text(None, [BASE, BASE]) is None
+    assert _varied_text("workers", [BASE, BASE]) is None  # the records say (varied_workers)
+
+
+def test_what_vary_workers_changed_comes_from_the_records(tmp_path: Path) -> None:
+    run = make_run(1, tmp_path / "run1", ["python"], BASE, ranks=2)
+    run.record_dir.mkdir()
+    runrecord.write_varied(run.record_dir, 0, [(2, 0)])
+    assert varied_workers(run, 2) == (
+        "--vary workers: num_workers 2 -> 0 in 1 DataLoader (run 2)",
+        "num_workers 2 vs 0 in 1 DataLoader",
+        None,
+    )
+    runrecord.write_varied(run.record_dir, 1, [(0, 2), (2, 0)])
+    assert varied_workers(run, 2)[1] == "num_workers 0 vs 2 in 1, 2 vs 0 in 2 of 3 DataLoaders"
+    empty = make_run(1, tmp_path / "empty", ["python"], BASE, ranks=1)
+    _, varied, nothing = varied_workers(empty, 1)
+    assert (varied, nothing) == (None, "--vary workers varied nothing: the script created no DataLoader")
+
+
+def test_steps_that_could_not_be_applied_are_said() -> None:
+    none = Coverage(per_rank={0: {"final": 1}}, ranks_expected=(0,))
+    assert _steps_note(3, none, 0, unrecorded=False) == (
+        "--steps 3 was not applied: the script took no optimizer step and ran no backward() that "
+        "torchrepro counts, so every run ran to its end"
+    )
+    unrecorded = _steps_note(3, none, 0, unrecorded=True)
+    assert unrecorded is not None and unrecorded.startswith(
+        "--steps 3 could not be applied to what was compared"
+    )
+    trained = Coverage(per_rank={0: {"init": 1, "compute": 2}}, ranks_expected=(0,))
+    assert _steps_note(3, trained, 2, unrecorded=False) == (
+        "--steps 3: the script ended after 2 training step(s), before step 3"
+    )
+    assert _steps_note(2, trained, 2, unrecorded=False) is None  # applied: nothing to say
+
+
+def test_a_missing_op_trace_names_the_real_reason_never_the_build(tmp_path: Path) -> None:
+    first = Divergence(step=2, rank=0, kind="compute", key="optimizer0")
+    side = tmp_path / "run-a"
+    side.mkdir()
+    # the re-runs stopped before the step: they recorded steps 0 and 1 only
+    lines = [
+        {"i": i, "kind": "compute", "key": "optimizer0", "step": i, "fp": "f", "t": []} for i in range(2)
+    ]
+    runrecord.events_path(side, 0).write_text("".join(json.dumps(e) + "\n" for e in lines))
+    reason = _no_trace(first, tmp_path, 1)
+    assert reason.startswith("no op trace was written: the traced re-runs recorded 2 steps of optimizer0 and")
+    assert "never reached step 2" in reason and "build" not in reason
+    # they reached it, but in a process that does not trace
+    lines.append({**lines[0], "step": 2})
+    runrecord.events_path(side, 0).write_text("".join(json.dumps(e) + "\n" for e in lines))
+    assert "reached step 2: it ran in a process that does not trace" in _no_trace(first, tmp_path, 1)
+    # the tracer said why it could not start: that is the reason given
+    (side / runrecord.STDERR_FILE).write_text(
+        "torchrepro bootstrap: op tracing unavailable: ImportError: no module named 'x'\n"
+    )
+    assert _no_trace(first, tmp_path, 1) == (
+        "no op trace was written: op tracing could not start in the traced re-run "
+        "(ImportError: no module named 'x')"
+    )
+
+
+def test_processes_of_one_run_noting_the_same_are_named_once(tmp_path: Path) -> None:
+    runs = []
+    for i in range(2):
+        d = tmp_path / f"run{i}"
+        d.mkdir()
+        for pid in (11, 12):  # two forked trainers each
+            runrecord.write_uncovered(d, pid, ["python", "hogwild.py"], "it was forked")
+        runs.append(make_run(i, d, ["python"], BASE, ranks=1))
+    assert rank_notes(runs, None) == [
+        "run(s) 1, 2: python child `python hogwild.py` was not recorded: it was forked"
+    ]

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from torchrepro._child.spec import CPU_CAPABILITIES
-from torchrepro.check import VARY_CHOICES
+from torchrepro.check import VARY_CHOICES, CheckResult
 from torchrepro.cli import _render_divergence, _script_target, build_parser, main
-from torchrepro.compare import Divergence
+from torchrepro.compare import Coverage, Divergence
 from torchrepro.env import Environment
 from torchrepro.flags import MODES
 from torchrepro.runrecord import events_path, write_env
@@ -267,8 +267,11 @@ def test_compare_json_prints_one_object(
         "reproducible",
         "runs",
         "steps_compared",
+        "optimizer_steps",
+        "steps_per_optimizer",
         "first_divergence",
         "inconclusive",
+        "reason",
         "coverage",
         "env_differences",
         "tensor",
@@ -295,6 +298,141 @@ def test_compare_of_a_damaged_record(tmp_path: Path, capsys: pytest.CaptureFixtu
     (Path(b) / "env.json").write_text("{")
     assert main(["compare", a, b]) == 2
     assert "damaged" in capsys.readouterr().err
+
+
+# --- check's verdict, rendered (check_script replaced: no process is started) -----------------------
+
+
+def _render_check(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], result: CheckResult
+) -> tuple[int, str, str]:
+    import torchrepro.check
+
+    monkeypatch.setattr(torchrepro.check, "check_script", lambda *args, **kwargs: result)
+    code = main(["check", "train.py"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+COVERED = Coverage(per_rank={0: {"init": 2, "compute": 40}}, ranks_expected=(0,))
+
+
+def test_check_counts_steps_as_the_user_does_and_says_what_was_varied(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = CheckResult(
+        reproducible=True,
+        runs=2,
+        steps_compared=20,
+        first_divergence=None,
+        check_dir="/c/1",
+        coverage=COVERED,
+        varied="1 vs 2 threads",
+        optimizer_steps={"optimizer0": 20, "optimizer1": 20},
+    )
+    code, out, _ = _render_check(monkeypatch, capsys, result)
+    assert code == 0
+    assert out.splitlines()[0] == (
+        "reproducible: 2 runs identical over 20 training steps (40 optimizer steps: 2 optimizers x 20) "
+        "with 1 vs 2 threads"
+    )
+    uneven = dataclasses.replace(result, varied=None, optimizer_steps={"optimizer0": 20, "optimizer1": 25})
+    out = _render_check(monkeypatch, capsys, uneven)[1]
+    assert out.splitlines()[0].endswith(
+        "over 20 training steps (45 optimizer steps: 20 + 25 of 2 optimizers)"
+    )
+    single = dataclasses.replace(result, varied=None, optimizer_steps={"optimizer0": 20})
+    assert _render_check(monkeypatch, capsys, single)[1].splitlines()[0] == (
+        "reproducible: 2 runs identical over 20 training steps"
+    )
+
+
+def test_an_inconclusive_check_gives_its_reason_in_the_headline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = CheckResult(
+        reproducible=None,
+        runs=2,
+        steps_compared=20,
+        first_divergence=None,
+        check_dir="/c/1",
+        coverage=COVERED,
+        reason="--vary workers varied nothing: the script created no DataLoader",
+        optimizer_steps={"optimizer0": 20},
+    )
+    code, out, _ = _render_check(monkeypatch, capsys, result)
+    assert code == 3
+    assert out.splitlines()[:2] == [
+        "INCONCLUSIVE: --vary workers varied nothing: the script created no DataLoader",
+        "  (2 runs did not differ; 20 training steps compared)",
+    ]
+    assert "not enough was compared" not in out
+
+
+def test_a_final_state_divergence_is_said_so_and_the_record_path_printed_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = Divergence(step=0, rank=0, kind="compute", key="final", name="final:model.0.weight", shape=(8, 4))
+    d = replace(d, dtype="float32")
+    reason = (
+        "the runs differ only in the final state of model: the training that changed it was not recorded (x)"
+    )
+    result = CheckResult(
+        reproducible=False,
+        runs=2,
+        steps_compared=0,
+        first_divergence=d,
+        check_dir="/checks/final-1",
+        coverage=Coverage(per_rank={0: {"final": 1}}, ranks_expected=(0,)),
+        reason=reason,
+    )
+    code, out, err = _render_check(monkeypatch, capsys, result)
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == f"NOT reproducible: {reason}"
+    assert (
+        lines[1]
+        == "  first differing: final value of model.0.weight float32[8, 4] (0 training steps compared)"
+    )
+    assert "compute at step 0" not in out
+    assert "nothing beyond init" not in out  # a definite divergence carries no inconclusive remark
+    assert (out + err).count("/checks/final-1") == 1
+    # a divergence in a step: its usual line, and the path once too
+    step = dataclasses.replace(
+        result, first_divergence=Divergence(step=3, rank=0, kind="compute", key="optimizer0")
+    )
+    out, err = _render_check(monkeypatch, capsys, dataclasses.replace(step, reason=None, steps_compared=4))[
+        1:
+    ]
+    assert out.splitlines()[:2] == [
+        "NOT reproducible: first divergence: compute at step 3",
+        "  (4 training steps compared)",
+    ]
+    assert (out + err).count("/checks/final-1") == 1
+
+
+def test_compare_leaves_out_what_every_two_records_differ_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_env = dataclasses.replace(
+        ENV, collected_at="2026-01-01T00:00:00+00:00", env_vars={"TORCHREPRO_RECORD_DIR": "/r/a"}
+    )
+    b_env = dataclasses.replace(
+        a_env,
+        collected_at="2026-01-01T00:00:05+00:00",
+        hostname="beta",
+        env_vars={"TORCHREPRO_RECORD_DIR": "/r/b"},
+    )
+    a = make_record(tmp_path / "a", ["x", "y"], env=a_env)
+    b = make_record(tmp_path / "b", ["x", "y"], env=b_env)
+    assert main(["compare", a, b]) == 0
+    out = capsys.readouterr().out
+    assert "collected_at" not in out and "RECORD_DIR" not in out and "/r/a" not in out
+    assert "harmless env differences: hostname" in out
+    assert " ! " not in out  # nothing that breaks reproducibility
+    assert main(["compare", a, b, "--json"]) == 0
+    listed = {d["key"]: d["volatile"] for d in json.loads(capsys.readouterr().out)["env_differences"]}
+    assert listed == {"collected_at": True, "env_vars.TORCHREPRO_RECORD_DIR": True, "hostname": False}
 
 
 # --- env diff -------------------------------------------------------------------------------------

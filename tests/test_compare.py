@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from torchrepro.compare import (
+    FINAL_NOT_LOCATED,
+    UNRECORDED_REASON,
     Comparison,
     Coverage,
     Divergence,
@@ -23,6 +25,7 @@ from torchrepro.compare import (
     coverage,
     first_divergence,
     locate_in_traces,
+    optimizer_steps,
     steps_compared,
     tensor_difference,
 )
@@ -34,6 +37,7 @@ from torchrepro.runrecord import (
     trace_prefix,
     write_env,
     write_run_files,
+    write_uncovered,
 )
 
 Event = dict[str, Any]
@@ -256,7 +260,13 @@ def test_identical_records_are_reproducible(tmp_path: Path) -> None:
         per_rank={0: {"init": 1, "data": 3, "compute": 3}, 1: {"init": 1, "data": 3, "compute": 3}},
         ranks_expected=(0, 1),
     )
-    assert result == Comparison(reproducible=True, steps_compared=3, first_divergence=None, coverage=covered)
+    assert result == Comparison(
+        reproducible=True,
+        steps_compared=3,
+        first_divergence=None,
+        coverage=covered,
+        optimizer_steps={"optimizer0": 3},  # the most one rank compared, not summed over ranks
+    )
     data = result.to_dict()
     assert data["coverage"] == {
         "per_kind": {"compute": 6, "data": 6, "init": 2},
@@ -341,7 +351,8 @@ def test_environment_differences_are_listed(tmp_path: Path) -> None:
     assert found == {"num_threads": (4, 8, True), "hostname": ("alpha", "beta", False)}
     listed = result.to_dict()["env_differences"]
     assert {d["key"] for d in listed} == {"num_threads", "hostname"}
-    assert all(set(d) == {"key", "a", "b", "breaks", "reason"} for d in listed)
+    assert all(set(d) == {"key", "a", "b", "breaks", "reason", "volatile", "setting"} for d in listed)
+    assert not any(d["volatile"] or d["setting"] for d in listed)  # neither is when/where, nor a setting
 
 
 @pytest.mark.parametrize(
@@ -499,3 +510,191 @@ def test_an_inconclusive_note_says_which_ranks_were_not_compared() -> None:
         "inconclusive: nothing that changes during training was compared:"
     )
     assert "optimizer step" in nothing.inconclusive_note()
+
+
+# --- verdicts that name the real reason ------------------------------------------------------------
+
+
+def final(fp: str, step: int = 0) -> Event:
+    """The state at exit: a ``compute`` event keyed ``final`` whose tensors are named ``final:<var>...``."""
+    return ev(99, "compute", "final", step, fp, [{"n": "final:netD.main.0.weight", **leaf(fp, [1.0])}])
+
+
+def test_a_divergence_only_in_the_final_state_is_said_so_and_not_located(tmp_path: Path) -> None:
+    """Nothing recorded trained it: not "compute at step 0", and no locating hint (no step to trace)."""
+    a = make_record(tmp_path / "a", {0: [final("a")]})
+    b = make_record(tmp_path / "b", {0: [final("b")]})
+    result = compare_runs(a, b)
+    d = result.first_divergence
+    assert result.reproducible is False and d is not None and d.final_state
+    assert d.final_module() == "netD"
+    assert result.reason is not None and result.reason.startswith(
+        "the runs differ only in the final state of netD: the training that changed it was not "
+        "recorded (the process holding it took no optimizer step and ran no backward()"
+    )
+    assert result.notes == (FINAL_NOT_LOCATED,)  # no "record both runs with --trace-step 0"
+    assert result.to_dict()["reason"] == result.reason
+    # after recorded steps that matched, the reason says so
+    a2 = make_record(tmp_path / "a2", {0: [*training(2), final("a", 2)]})
+    b2 = make_record(tmp_path / "b2", {0: [*training(2), final("b", 2)]})
+    reason = compare_runs(a2, b2).reason
+    assert reason is not None and "every recorded training step matched" in reason
+    # control: a divergence in a step is no final-state divergence, and gets the locating hint
+    c = make_record(tmp_path / "c", {0: training(2, fps={1: "x"})})
+    result = compare_runs(a2, c)
+    assert result.first_divergence is not None and not result.first_divergence.final_state
+    assert result.reason is None and any("--trace-step 1" in n for n in result.notes)
+
+
+def test_training_a_record_notes_as_unrecorded_is_named_in_compare(tmp_path: Path) -> None:
+    a = make_record(tmp_path / "a", {0: [final("a")]})
+    b = make_record(tmp_path / "b", {0: [final("b")]})
+    for run in (a, b):
+        write_uncovered(
+            run, 7, ["python", "t.py"], "it was forked from a process of the run and trained there"
+        )
+    result = compare_runs(a, b)
+    assert (
+        result.reason is not None
+        and "(it trained in python processes torchrepro does not record" in result.reason
+    )
+    assert "in both runs: python child `python t.py` was not recorded: it was forked" in result.notes[0]
+    # equal final states with the training unrecorded: inconclusive, saying where the training went
+    same = make_record(tmp_path / "same", {0: [final("a")]})
+    write_uncovered(same, 8, ["python", "t.py"], "it was forked from a process of the run and trained there")
+    result = compare_runs(a, same)
+    assert result.reproducible is None
+    assert result.reason == (
+        "nothing was compared: the training ran in python processes torchrepro does not record "
+        "(see the notes)"
+    )
+    # training compared, but a child trained unrecorded too: still no pass
+    a3 = make_record(tmp_path / "a3", {0: training(2)})
+    b3 = make_record(tmp_path / "b3", {0: training(2)})
+    write_uncovered(b3, 9, ["python", "child.py"], "it trained in no process group")
+    result = compare_runs(a3, b3)
+    assert (result.reproducible, result.reason) == (None, UNRECORDED_REASON)
+    assert (
+        result.notes[0]
+        == "in run B: python child `python child.py` was not recorded: it trained in no process group"
+    )
+
+
+def test_optimizer_steps_are_counted_per_optimizer() -> None:
+    """Two optimizers stepping 3 times each: 3 training steps, 6 optimizer steps."""
+    events = [ev(0, "init", "optimizer0", 0), ev(1, "init", "optimizer1", 0)]
+    for step in range(3):
+        events += [
+            ev(len(events), "compute", "optimizer0", step),
+            ev(len(events) + 1, "compute", "optimizer1", step),
+        ]
+    events.append(ev(len(events), "compute", "final", 3))
+    cursors = [RankCursor(r, events, list(events)) for r in (0, 1)]
+    for cursor in cursors:
+        assert cursor.advance(a_done=True, b_done=True) is None
+    assert steps_compared(cursors) == 3
+    assert optimizer_steps(cursors) == {"optimizer0": 3, "optimizer1": 3}  # per rank, not summed
+    # backward() steps and the final state are no optimizer steps
+    manual = [ev(0, "init", "backward", 0), ev(1, "compute", "backward", 0), ev(2, "compute", "backward", 0)]
+    cursor = RankCursor(0, manual, manual)
+    cursor.advance(a_done=True, b_done=True)
+    assert (steps_compared([cursor]), optimizer_steps([cursor])) == (1, {})
+
+
+def test_an_inconclusive_reason_is_specific() -> None:
+    partial = Coverage(per_rank={0: {"init": 1, "compute": 3}, 1: {"init": 1}}, ranks_expected=(0, 1))
+    assert partial.inconclusive_reason() == (
+        "rank(s) 1 were not compared: nothing that changes during training was recorded there "
+        "(training was compared on rank(s) 0)"
+    )
+    nothing = Coverage(per_rank={0: {"final": 1}}, ranks_expected=(0,))
+    assert nothing.inconclusive_reason().startswith("nothing that changes during training was compared:")
+    assert nothing.inconclusive_reason(unrecorded=True).startswith(
+        "nothing was compared: the training ran in python processes torchrepro does not record"
+    )
+    assert "not record" in nothing.inconclusive_note(unrecorded=True)
+    # a definite divergence does not carry the "nothing compared" remark
+    assert "nothing beyond init" in nothing.describe()
+    assert "nothing beyond init" not in nothing.describe(uncovered=False)
+
+
+THREADS_ENV = dataclasses.replace(
+    ENV,
+    collected_at="2026-01-01T00:00:00+00:00",
+    env_vars={
+        "OMP_NUM_THREADS": None,
+        "TORCHREPRO_RECORD_DIR": "/records/a",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    },
+)
+
+
+def test_compare_names_a_threads_difference_a_setting_and_marks_volatile_fields(tmp_path: Path) -> None:
+    env_b = dataclasses.replace(
+        THREADS_ENV,
+        collected_at="2026-01-01T00:00:09+00:00",
+        env_vars={
+            "OMP_NUM_THREADS": "2",
+            "TORCHREPRO_RECORD_DIR": "/records/b",
+            "CUBLAS_WORKSPACE_CONFIG": ":16:8",
+        },
+    )
+    a = make_record(tmp_path / "a", {0: training(2)}, env=THREADS_ENV.to_dict(), settings=RunSettings(seed=0))
+    b = make_record(
+        tmp_path / "b",
+        {0: training(2)},
+        env=env_b.to_dict(),
+        settings=RunSettings(seed=0, threads=2, OMP_NUM_THREADS="2"),
+    )
+    result = compare_runs(a, b)
+    assert [d.name for d in result.setting_differences] == ["threads"]  # OMP_NUM_THREADS is the same cause
+    assert result.notes[0].startswith(
+        "started with different threads: not pinned vs 2 (a settings difference, not nondeterminism"
+    )
+    listed = {d["key"]: d for d in result.to_dict()["env_differences"]}
+    assert (listed["collected_at"]["volatile"], listed["collected_at"]["setting"]) == (True, None)
+    assert listed["env_vars.TORCHREPRO_RECORD_DIR"]["volatile"] is True
+    assert (
+        listed["env_vars.OMP_NUM_THREADS"]["volatile"],
+        listed["env_vars.OMP_NUM_THREADS"]["setting"],
+    ) == (
+        False,
+        "threads",
+    )
+    # control: a difference no setting explains is neither
+    assert (
+        listed["env_vars.CUBLAS_WORKSPACE_CONFIG"]["setting"],
+        listed["env_vars.CUBLAS_WORKSPACE_CONFIG"]["volatile"],
+    ) == (None, False)
+
+
+def test_compare_passes_a_threads_difference_to_the_op_locator(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An op whose output depends on the thread count is a settings difference, not nondeterminism."""
+    import torchrepro.compare as compare_module
+
+    seen: list[str | None] = []
+
+    def fake_locate(first: Divergence, traces: Any, *, varied: str | None = None) -> Any:
+        seen.append(varied)
+        return None, [], []
+
+    monkeypatch.setattr(compare_module, "locate_in_traces", fake_locate)
+    for name, threads in (("a", 1), ("b", 2)):
+        run = make_record(
+            tmp_path / name,
+            {0: training(2, fps={0: name})},
+            settings=RunSettings(seed=0, threads=threads, trace_step=0),
+        )
+        trace_path(trace_prefix(run, 0), 0).write_text("{}")
+    compare_runs(tmp_path / "a", tmp_path / "b")
+    assert seen == ["between 1 thread (run A) and 2 threads (run B)"]
+    # control: runs started alike pass no setting
+    seen.clear()
+    run = make_record(
+        tmp_path / "c", {0: training(2, fps={0: "c"})}, settings=RunSettings(seed=0, threads=1, trace_step=0)
+    )
+    trace_path(trace_prefix(run, 0), 0).write_text("{}")
+    compare_runs(tmp_path / "a", tmp_path / "c")
+    assert seen == [None]

@@ -35,14 +35,18 @@ from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.check_runs import CheckProgress, make_run, rank_notes, varied_workers, watch
 from torchrepro.compare import (
+    FINAL_NOT_LOCATED,
+    UNRECORDED_REASON,
     Coverage,
     Divergence,
     coverage,
+    final_state_reason,
     locate_in_traces,
+    optimizer_steps,
     steps_compared,
 )
-from torchrepro.errors import SettingsError
-from torchrepro.events import optimizer_index
+from torchrepro.errors import ReproError, SettingsError
+from torchrepro.events import BACKWARD_KEY, optimizer_index
 from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
 from torchrepro.launch import (
     build_command,
@@ -69,6 +73,10 @@ class CheckResult:
     ``init`` compared on some rank: ``coverage`` says what was); ``notes`` say what locating did
     or could not do, and why a check is inconclusive. ``isolation`` says how the runs' writes
     were kept apart; ``shared_writes`` are the paths runs running together both wrote anyway.
+    ``reason`` is the headline's why: the specific reason of an inconclusive check, or, for runs
+    that differ only in the final state, that the training which changed it was not recorded.
+    ``varied`` is what ``--vary`` changed, in words (``1 vs 2 threads``). ``optimizer_steps``
+    counts the optimizer steps compared per optimizer (``steps_compared`` counts training steps).
     """
 
     reproducible: bool | None
@@ -83,6 +91,9 @@ class CheckResult:
     coverage: Coverage | None = None
     isolation: Isolation | None = None
     shared_writes: tuple[str, ...] = ()
+    reason: str | None = None
+    varied: str | None = None
+    optimizer_steps: dict[str, int] = field(default_factory=dict)
 
     @property
     def inconclusive(self) -> bool:
@@ -95,8 +106,12 @@ class CheckResult:
             "reproducible": self.reproducible,
             "runs": self.runs,
             "steps_compared": self.steps_compared,
+            "optimizer_steps": sum(self.optimizer_steps.values()),
+            "steps_per_optimizer": dict(self.optimizer_steps),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "inconclusive": self.inconclusive,
+            "reason": self.reason,
+            "varied": self.varied,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "notes": list(self.notes),
         }
@@ -120,6 +135,36 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
     if vary == "workers":
         return base.replace(num_workers="other") if index > 0 else base
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
+
+
+def _varied_text(vary: str | None, specs: Sequence[ChildSpec]) -> str | None:
+    """What ``--vary threads|hashseed`` changed, in words (``1 vs 2 threads``); workers: None
+    (the runs' records say, ``check_runs.varied_workers``)."""
+    if vary == "threads":
+        counts = [s.threads for s in specs]
+        return f"{counts[0]} vs {counts[1]} threads" if counts[0] != counts[1] else None
+    if vary == "hashseed":
+        seeds = list(dict.fromkeys(str(s.hash_seed) for s in specs))
+        return f"PYTHONHASHSEED {seeds[0]} vs {', '.join(seeds[1:])}" if len(seeds) > 1 else None
+    return None
+
+
+def _steps_note(steps: int, covered: Coverage, compared: int, *, unrecorded: bool) -> str | None:
+    """What became of ``--steps N`` in runs that ran to their end (None: it was applied)."""
+    if covered.per_kind.get("compute", 0) == 0 and unrecorded:
+        return (
+            f"--steps {steps} could not be applied to what was compared: no training step was recorded; "
+            "the training ran in python processes torchrepro does not record (see the notes), each "
+            f"stopped after {steps} steps of its own but none of them compared"
+        )
+    if covered.per_kind.get("compute", 0) == 0:
+        return (
+            f"--steps {steps} was not applied: the script took no optimizer step and ran no backward() "
+            "that torchrepro counts, so every run ran to its end"
+        )
+    if compared < steps:
+        return f"--steps {steps}: the script ended after {compared} training step(s), before step {steps}"
+    return None
 
 
 def _varied_setting(specs: tuple[ChildSpec, ChildSpec]) -> str | None:
@@ -288,7 +333,12 @@ def _check(
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
     other, first = divergences[0] if divergences else (1, None)
-    if first is not None and first.kind == "compute" and locate:
+    covered = coverage(cursors, range(ranks))
+    reason: str | None = None
+    if first is not None and first.final_state:  # no recorded step differs: nothing to trace
+        reason = final_state_reason(first, covered, unrecorded=bool(unranked))
+        notes.append(FINAL_NOT_LOCATED)
+    elif first is not None and first.kind == "compute" and locate:
         if progress is not None:
             progress(CheckProgress(phase="locating", steps=()))
         with terminate_on_signals():  # SIGTERM while locating ends the traced re-runs too
@@ -304,35 +354,46 @@ def _check(
                 serial=serial,
             )
         notes.extend(locate_notes)
-    covered = coverage(cursors, range(ranks))
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
-        notes.append(covered.inconclusive_note())
+        reason = covered.inconclusive_reason(unrecorded=bool(unranked))
+        notes.append(covered.inconclusive_note(unrecorded=bool(unranked)))
     elif first is None and unranked:
         reproducible = None
+        reason = UNRECORDED_REASON
         notes.append("inconclusive: a python process the script started trained unrecorded (above)")
+    varied = _varied_text(vary, specs)
     if vary == "workers" and runs > 1:
-        varied_note, varied_anything = varied_workers(all_runs[1], ranks)
+        varied_note, varied, nothing = varied_workers(all_runs[1], ranks)
         notes.append(varied_note)
-        if first is None and not varied_anything and reproducible:
+        if first is None and nothing is not None and reproducible:
             reproducible = None
+            reason = nothing
             notes.append(
                 "inconclusive: --vary workers varied nothing (the script created no DataLoader), so "
                 "the runs were not loaded differently; the verdict would only repeat a plain check"
             )
+    compared = steps_compared(cursors)
+    if base.max_steps is not None and (first is None or first.final_state):  # the runs ran to their end
+        steps_note = _steps_note(base.max_steps, covered, compared, unrecorded=bool(unranked))
+        if steps_note is not None:
+            notes.append(steps_note)
     if shared:
         notes.append(describe_shared(shared, isolation=isolation))
     result = CheckResult(
         reproducible=reproducible,
         runs=runs,
-        steps_compared=steps_compared(cursors),
+        steps_compared=compared,
         first_divergence=first,
         check_dir=os.fspath(check_dir),
         notes=tuple(notes),
         coverage=covered,
         isolation=isolation,
         shared_writes=tuple(shared),
+        reason=reason,
+        varied=varied,
+        optimizer_steps=optimizer_steps(cursors),
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
@@ -383,7 +444,7 @@ def _locate(
         ]
         traces = [(r, a, b) for r, a, b in traces if a.exists() and b.exists()]
         if not traces:
-            notes.append("locating: no op trace was written (op tracing unavailable in this build)")
+            notes.append(f"locating: {_no_trace(first, base, ranks)}")
             return first, notes
         located, compare_notes, failed_ranks = locate_in_traces(first, traces, varied=_varied_setting(specs))
         notes.extend(f"locating: {note}" for note in compare_notes)
@@ -403,3 +464,39 @@ def _locate(
         )
         notes.append(f"locating attempt {attempt + 1}: the traced re-runs {what}")
     return first, notes
+
+
+_TRACING_UNAVAILABLE = "op tracing unavailable:"
+"""What a traced re-run prints when the tracer could not start (``_child.session``)."""
+
+
+def _no_trace(first: Divergence, base: Path, ranks: int) -> str:
+    """Why the traced re-runs under ``base`` wrote no op trace of ``first``'s step, as found."""
+    sides = [base / "run-a", base / "run-b"]
+    for side in sides:
+        try:
+            text = (side / runrecord.STDERR_FILE).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if _TRACING_UNAVAILABLE in line:
+                cause = line.split(_TRACING_UNAVAILABLE, 1)[1].strip()
+                return f"no op trace was written: op tracing could not start in the traced re-run ({cause})"
+    reached = 0
+    for r in range(ranks):
+        try:
+            events = runrecord.read_events(runrecord.events_path(sides[0], r))
+        except ReproError:
+            continue
+        steps = {e["step"] for e in events if e["kind"] == "compute" and e["key"] == first.key}
+        reached = max(reached, len(steps))
+    what = "backward() steps" if first.key == BACKWARD_KEY else f"steps of {first.key}"
+    if reached <= first.step:
+        return (
+            f"no op trace was written: the traced re-runs recorded {reached} {what} and never reached "
+            f"step {first.step}, where tracing starts (the script took another path than in the check)"
+        )
+    return (
+        f"no op trace was written although the traced re-runs reached step {first.step}: it ran in a "
+        "process that does not trace (a forked process, or a python child with no rank of its own)"
+    )

@@ -134,23 +134,29 @@ class Run:
 _OMP_WAIT = "OMP_WAIT_POLICY"
 
 
-def varied_workers(run: Run, ranks: int) -> tuple[str, bool]:
-    """What ``--vary workers`` changed in ``run`` (a note), and whether it changed anything."""
+def varied_workers(run: Run, ranks: int) -> tuple[str, str | None, str | None]:
+    """What ``--vary workers`` changed in ``run``: a note, the change in a few words (``num_workers
+    2 vs 0 in 1 DataLoader``; None when nothing was varied) and, then, why nothing was."""
     changes: Counter[tuple[int, int]] = Counter()
     for rank in range(ranks):
         try:
             found = runrecord.read_varied(run.record_dir, rank)
         except ReproError as exc:
-            return f"--vary workers: what was varied is unknown ({exc})", False
+            return f"--vary workers: what was varied is unknown ({exc})", None, f"--vary workers: {exc}"
         changes.update(found or [])
     if not changes:
-        return f"--vary workers: run {run.index + 1} created no DataLoader; nothing was varied", False
+        note = f"--vary workers: run {run.index + 1} created no DataLoader; nothing was varied"
+        return note, None, "--vary workers varied nothing: the script created no DataLoader"
     total = sum(changes.values())
-    parts = ", ".join(
-        f"{a} -> {b}" + (f" in {n}" if len(changes) > 1 else "") for (a, b), n in sorted(changes.items())
-    )
+    parts = [(f"{a} -> {b}", f"{a} vs {b}", n) for (a, b), n in sorted(changes.items())]
     loaders = f"{total} DataLoader{'s' if total != 1 else ''}"
-    return f"--vary workers: num_workers {parts} in {loaders} (run {run.index + 1})", True
+    note = ", ".join(arrow + (f" in {n}" if len(changes) > 1 else "") for arrow, _, n in parts)
+    text = ", ".join(versus + (f" in {n}" if len(changes) > 1 else "") for _, versus, n in parts)
+    return (
+        f"--vary workers: num_workers {note} in {loaders} (run {run.index + 1})",
+        f"num_workers {text} {'of' if len(changes) > 1 else 'in'} {loaders}",
+        None,
+    )
 
 
 def make_run(
@@ -218,7 +224,9 @@ def rank_notes(runs: list[Run], nproc: int | None) -> list[str]:
     children: dict[str, list[int]] = {}
     for run in runs:
         for line in runrecord.read_uncovered(run.record_dir):
-            children.setdefault(line, []).append(run.index + 1)
+            indices = children.setdefault(line, [])
+            if run.index + 1 not in indices:  # several processes of one run noting the same
+                indices.append(run.index + 1)
     for line, indices in children.items():
         notes.append(f"run(s) {', '.join(map(str, indices))}: {line}")
     return notes

@@ -316,6 +316,28 @@ def _render_divergence(divergence: Divergence) -> str:
     return where + ("; " + ", ".join(extra) if extra else "")
 
 
+def _steps_text(steps: int, per_optimizer: dict[str, int]) -> str:
+    """Training steps as the user counts them: ``20 training steps (40 optimizer steps: 2
+    optimizers x 20)`` when several optimizers stepped."""
+    text = f"{steps} training step{'s' if steps != 1 else ''}"
+    counts = list(per_optimizer.values())
+    if len(counts) > 1:
+        split = (
+            f"{len(counts)} optimizers x {counts[0]}"
+            if len(set(counts)) == 1
+            else f"{' + '.join(map(str, counts))} of {len(counts)} optimizers"
+        )
+        text += f" ({sum(counts)} optimizer steps: {split})"
+    return text
+
+
+def _render_final_state(divergence: Divergence) -> str:
+    """The differing tensor of a divergence seen only in the final state."""
+    what = divergence.what()
+    where = f" (rank {divergence.rank})" if divergence.rank else ""
+    return f"first differing: {what}{where}" if what else f"the final state{where}"
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     import json
 
@@ -370,16 +392,24 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(verdict, allow_nan=False))
     elif result.error is None:
+        steps = _steps_text(result.steps_compared, result.optimizer_steps)
+        varied = f"; varied: {result.varied}" if result.varied else ""
+        d = result.first_divergence
         if result.inconclusive:
-            print(f"INCONCLUSIVE: {result.runs} runs did not differ, but not enough was compared to say so")
+            print(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
+            print(f"  ({result.runs} runs did not differ; {steps} compared{varied})")
         elif result.reproducible:
-            print(f"reproducible: {result.runs} runs identical over {result.steps_compared} training steps")
+            with_varied = f" with {result.varied}" if result.varied else ""
+            print(f"reproducible: {result.runs} runs identical over {steps}{with_varied}")
+        elif d is not None and d.final_state and result.reason:
+            print(f"NOT reproducible: {result.reason}")
+            print(f"  {_render_final_state(d)} ({steps} compared{varied})")
         else:
-            assert result.first_divergence is not None
-            print(f"NOT reproducible: first divergence: {_render_divergence(result.first_divergence)}")
-            print(f"  ({result.steps_compared} training steps compared; records in {result.check_dir})")
+            assert d is not None
+            print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
+            print(f"  ({steps} compared{varied})")
         if result.coverage is not None:
-            print(f"  {result.coverage.describe()}")
+            print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
         if result.isolation is not None:
             print(f"  isolation: {result.isolation.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
@@ -400,13 +430,19 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, allow_nan=False))
     else:
+        steps = _steps_text(result.steps_compared, result.optimizer_steps)
+        d = result.first_divergence
         if result.reproducible is None:
-            print("INCONCLUSIVE: the runs did not differ, but not enough was compared to say so")
+            print(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
+            print(f"  (the runs did not differ; {steps} compared)")
         elif result.reproducible:
-            print(f"identical: {result.steps_compared} training steps compared")
+            print(f"identical: {steps} compared")
+        elif d is not None and d.final_state and result.reason:
+            print(f"NOT identical: {result.reason}")
+            print(f"  {_render_final_state(d)} ({steps} compared)")
         else:
-            assert result.first_divergence is not None
-            print(f"NOT identical: first divergence: {_render_divergence(result.first_divergence)}")
+            assert d is not None
+            print(f"NOT identical: first divergence: {_render_divergence(d)}")
         for note in result.notes:
             print(f"  {note}")
         if not result.reproducible and result.tensor is not None:
@@ -420,19 +456,37 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             kind = result.first_divergence.kind if result.first_divergence is not None else ""
             label = describe_name(t.name, kind) if t.name else f"#{t.leaf}"
             print(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
-        breaking = [d for d in data["env_differences"] if d.get("breaks")]
-        for d in data["env_differences"]:
-            mark = "!" if d.get("breaks") else " "
-            print(f" {mark} env {d.get('key')}: {d.get('a')!r} vs {d.get('b')!r}  ({d.get('reason')})")
-        if not data["env_differences"]:
-            print("  environments: no difference recorded")
-        elif breaking:
-            print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
+        _render_env_differences(data["env_differences"])
         if result.coverage is not None:
-            print(f"  {result.coverage.describe()}")
+            print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
     if result.reproducible is None:
         return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
+
+
+def _render_env_differences(differences: list[dict[str, Any]]) -> None:
+    """``compare``'s environment lines: each difference that can break reproducibility (``!``);
+    those a setting difference above set, and the harmless ones, named in one line each; the
+    ones every pair of records has (when and where each was recorded) left out."""
+    shown = [d for d in differences if not d.get("volatile")]
+    explained = [d for d in shown if d.get("setting")]
+    breaking = [d for d in shown if d.get("breaks") and not d.get("setting")]
+    harmless = [d for d in shown if not d.get("breaks") and not d.get("setting")]
+    for d in breaking:
+        print(f" ! env {d.get('key')}: {d.get('a')!r} vs {d.get('b')!r}  ({d.get('reason')})")
+    if explained:
+        by_setting: dict[str, list[str]] = {}
+        for d in explained:
+            by_setting.setdefault(str(d.get("setting")), []).append(str(d.get("key")))
+        for setting, keys in by_setting.items():
+            print(f"   env set by the {setting} setting above: {', '.join(keys)}")
+    if harmless:
+        names = ", ".join(str(d.get("key")) for d in harmless)
+        print(f"   harmless env differences: {names} (`torchrepro env diff` explains each)")
+    if not shown:
+        print("  environments: no difference recorded")
+    elif breaking:
+        print(f"  {len(breaking)} environment difference(s) can break bitwise reproducibility (!)")
 
 
 def _render_audit(report: AuditReport) -> str:

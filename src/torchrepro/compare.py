@@ -28,18 +28,29 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torchrepro.errors import EnvFileError, ReproError
-from torchrepro.events import FINAL_KEY, counted_kind, describe_name, earliest, optimizer_index
-from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json
+from torchrepro.events import (
+    FINAL_KEY,
+    counted_kind,
+    describe_name,
+    earliest,
+    is_optimizer_key,
+    optimizer_index,
+)
+from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json, read_uncovered
 
 __all__ = [
+    "FINAL_NOT_LOCATED",
+    "UNRECORDED_REASON",
     "Comparison",
     "Coverage",
     "Divergence",
     "RankCursor",
     "compare_runs",
     "coverage",
+    "final_state_reason",
     "first_divergence",
     "locate_in_traces",
+    "optimizer_steps",
 ]
 
 
@@ -82,6 +93,18 @@ class Divergence:
             "dtype": self.dtype,
         }
 
+    @property
+    def final_state(self) -> bool:
+        """Whether the runs part in the state at exit (the ``final`` event), not in a recorded step."""
+        return counted_kind(self.kind, self.key) == FINAL_KEY
+
+    def final_module(self) -> str | None:
+        """The variable of ``__main__`` holding the module whose final state differs (``model``)."""
+        prefix = f"{FINAL_KEY}:"
+        if not self.final_state or not self.name or not self.name.startswith(prefix):
+            return None
+        return self.name[len(prefix) :].split(".", 1)[0] or None
+
     def what(self) -> str | None:
         """The differing tensor in words: ``gradient of fc.weight``, ``batch field [0] float32[4, 3]``."""
         if self.name is None:
@@ -109,6 +132,8 @@ class RankCursor:
         self.compared: dict[str, int] = {}
         """Events compared so far, per kind (the diverging one included; the ``compute`` event of
         the state at exit counts as ``final``)."""
+        self.optimizer_steps: dict[str, int] = {}
+        """Optimizer steps compared so far, per optimizer key (the diverging one included)."""
 
     def advance(self, *, a_done: bool = False, b_done: bool = False) -> Divergence | None:
         """Compare every event both sides now have; with ``*_done`` a missing event diverges."""
@@ -121,6 +146,8 @@ class RankCursor:
                 self.compared[counted] = self.compared.get(counted, 0) + 1
                 if counted == "compute":
                     self.max_step_compared = max(self.max_step_compared, ea["step"])
+                    if is_optimizer_key(ea["key"]):
+                        self.optimizer_steps[ea["key"]] = self.optimizer_steps.get(ea["key"], 0) + 1
                 if not _same(ea, eb):
                     self.divergence = _divergence(ea, eb, self.rank, i)
                     break
@@ -208,17 +235,33 @@ class TensorDifference:
 
 @dataclass(frozen=True)
 class SettingDifference:
-    """One way two runs were started differently: a ``settings.json`` field or the command line."""
+    """One way two runs were started differently: a ``settings.json`` field or the command line.
+
+    ``detail`` says what the difference means where the bare values would mislead (a thread count
+    is a setting, not nondeterminism).
+    """
 
     name: str
     a: Any
     b: Any
+    detail: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "a": self.a, "b": self.b}
 
     def describe(self) -> str:
-        return f"started with different {self.name}: {self.a!r} vs {self.b!r}"
+        a, b = (_UNSET.get(self.name, "not set") if v is None else repr(v) for v in (self.a, self.b))
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"started with different {self.name}: {a} vs {b}{detail}"
+
+
+_UNSET = {"threads": "not pinned", "OMP_NUM_THREADS": "unset", "vary": "none"}
+"""How a setting that was not given reads (``None`` among a record's settings)."""
+
+_THREADS_DETAIL = (
+    "a settings difference, not nondeterminism: CPU reductions split across another number of "
+    "threads can round differently; give both runs the same --threads"
+)
 
 
 # settings.json fields that change what a run computes (not the run's index or what was traced)
@@ -247,10 +290,82 @@ def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, 
                 found.append(SettingDifference(name, va, vb))
         if found and found[0].name == "seed":  # the hash seed is derived from the seed: one cause
             found = [d for d in found if d.name != "PYTHONHASHSEED"]
+        if any(d.name == "threads" for d in found):  # --threads sets OMP_NUM_THREADS: one cause
+            found = [
+                replace(d, detail=_threads_detail(a, b)) if d.name == "threads" else d
+                for d in found
+                if d.name != "OMP_NUM_THREADS"
+            ]
     argv_a, argv_b = _script_args(a), _script_args(b)
     if argv_a is not None and argv_b is not None and argv_a != argv_b:
         found.append(SettingDifference("arguments", " ".join(argv_a), " ".join(argv_b)))
     return tuple(found)
+
+
+def _threads_detail(a: RunRecord, b: RunRecord) -> str:
+    """What a ``--threads`` difference means; when both environments show the count in use."""
+    used = [None if run.env is None else run.env.get("num_threads") for run in (a, b)]
+    if used[0] is not None and used[0] == used[1] and isinstance(used[0], int):
+        return f"{_THREADS_DETAIL}; both runs used {used[0]} threads, so here it changed nothing"
+    return _THREADS_DETAIL
+
+
+def _varied_threads(started: Sequence[SettingDifference]) -> str | None:
+    """A thread-count difference in the words ``locate_in_traces`` takes (else None)."""
+    for d in started:
+        if d.name == "threads":
+            a, b = (
+                f"{v} thread{'s' if v != 1 else ''}" if v is not None else "unpinned threads"
+                for v in (d.a, d.b)
+            )
+            return f"between {a} (run A) and {b} (run B)"
+    return None
+
+
+def _explained_env_keys(setting: str) -> tuple[str, ...]:
+    """The environment keys (``env_diff`` keys, or their prefixes) a setting difference sets."""
+    from torchrepro._child.spec import CPU_CAPABILITY_VAR, variable
+
+    threads = (
+        "num_threads",
+        "omp_max_threads",
+        "mkl_max_threads",
+        "env_vars.OMP_NUM_THREADS",
+        "env_vars.MKL_NUM_THREADS",
+        f"env_vars.{variable('threads')}",
+    )
+    hash_seed = ("env_vars.PYTHONHASHSEED",)
+    table: dict[str, tuple[str, ...]] = {
+        "seed": (f"env_vars.{variable('seed')}", *hash_seed),
+        "mode": (f"env_vars.{variable('mode')}", "determinism"),
+        "threads": threads,
+        "OMP_NUM_THREADS": threads,
+        "cpu_capability": (
+            f"env_vars.{variable('cpu_capability')}",
+            f"env_vars.{CPU_CAPABILITY_VAR}",
+            "cpu_capability",
+        ),
+        "PYTHONHASHSEED": hash_seed,
+        "steps": (f"env_vars.{variable('max_steps')}",),
+        "vary": (f"env_vars.{variable('num_workers')}", *hash_seed, *threads),
+    }
+    return table.get(setting, ())
+
+
+def explaining_setting(key: str, started: Sequence[SettingDifference]) -> str | None:
+    """The setting difference (``threads``...) that set the environment difference ``key``, if any."""
+    for d in started:
+        if any(key == k or key.startswith((k + ".", k + "[")) for k in _explained_env_keys(d.name)):
+            return d.name
+    return None
+
+
+def is_volatile(key: str) -> bool:
+    """Whether an environment difference exists between any two records: when each was collected,
+    where each run wrote its record. Never a cause; ``compare`` leaves them out of its report."""
+    from torchrepro._child.spec import LOCATION_VARIABLES
+
+    return key == "collected_at" or key in {f"env_vars.{v}" for v in LOCATION_VARIABLES}
 
 
 def _script_args(run: RunRecord) -> list[str] | None:
@@ -281,35 +396,47 @@ class Comparison:
     env_differences: list[Any] = field(default_factory=list)
     tensor: TensorDifference | None = None
     notes: tuple[str, ...] = ()
+    """How the runs were started differently, python processes that trained unrecorded, why the
+    environments were not compared, and what locating the source op did or could not do."""
     setting_differences: tuple[SettingDifference, ...] = ()
     """How the two runs were started differently (command line, seed, mode, threads, vary...),
     the likeliest cause of a divergence; also the first ``notes``."""
-    """Why the environments were not compared, and what locating the source op did or could not do
-    (op traces missing, of another step, unreadable...)."""
+    optimizer_steps: dict[str, int] = field(default_factory=dict)
+    """Optimizer steps compared per optimizer key (``optimizer0``...), in optimizer order."""
+    reason: str | None = None
+    """In one line, why the verdict is inconclusive, or that the runs differ only in the final
+    state (the training that changed it was not recorded); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``."""
+        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``.
+
+        Each environment difference also says whether it exists between any two records
+        (``volatile``: when and where each was recorded) and which setting difference set it
+        (``setting``, e.g. ``threads``; else None).
+        """
         return {
             "reproducible": self.reproducible,
             "runs": 2,
             "steps_compared": self.steps_compared,
+            "optimizer_steps": sum(self.optimizer_steps.values()),
+            "steps_per_optimizer": dict(self.optimizer_steps),
             "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
             "inconclusive": self.reproducible is None,
+            "reason": self.reason,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
-            "env_differences": [_env_diff_dict(d) for d in self.env_differences],
+            "env_differences": [_env_diff_dict(d, self.setting_differences) for d in self.env_differences],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
             "notes": list(self.notes),
         }
 
 
-def _env_diff_dict(d: Any) -> dict[str, Any]:
+def _env_diff_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[str, Any]:
     to_dict = getattr(d, "to_dict", None)
-    if callable(to_dict):
-        result = to_dict()
-        if isinstance(result, dict):
-            return result
-    keys = ("key", "a", "b", "breaks", "reason")
-    return {k: getattr(d, k, None) for k in keys}
+    result = to_dict() if callable(to_dict) else None
+    if not isinstance(result, dict):
+        result = {k: getattr(d, k, None) for k in ("key", "a", "b", "breaks", "reason")}
+    key = str(result.get("key"))
+    return {**result, "volatile": is_volatile(key), "setting": explaining_setting(key, started)}
 
 
 def _largest_difference(va: list[float], vb: list[float]) -> float | None:
@@ -383,11 +510,14 @@ class Coverage:
         """Whether an "identical" verdict may be claimed from what was compared."""
         return bool(self.ranks_expected) and not self.uncovered_ranks
 
-    def inconclusive_note(self) -> str:
-        """Why an "identical" verdict cannot be claimed (for a coverage that is not conclusive)."""
+    def inconclusive_note(self, *, unrecorded: bool = False) -> str:
+        """Why an "identical" verdict cannot be claimed (for a coverage that is not conclusive).
+
+        ``unrecorded``: processes the script started trained without a record (a note names them).
+        """
         covered = [r for r in self.ranks_expected if r not in self.uncovered_ranks]
         if not covered:
-            return f"inconclusive: {INCONCLUSIVE_HINT}"
+            return f"inconclusive: {UNRECORDED_HINT if unrecorded else INCONCLUSIVE_HINT}"
         uncovered = ", ".join(map(str, self.uncovered_ranks))
         return (
             f"inconclusive: nothing that changes during training was compared on rank(s) {uncovered} "
@@ -395,8 +525,27 @@ class Coverage:
             "compared cannot pass"
         )
 
-    def describe(self) -> str:
-        """One line for people: what was compared, and what was not."""
+    def inconclusive_reason(self, *, unrecorded: bool = False) -> str:
+        """The headline of an inconclusive verdict: what was not compared, in one line."""
+        covered = [r for r in self.ranks_expected if r not in self.uncovered_ranks]
+        if not covered and unrecorded:
+            return (
+                "nothing was compared: the training ran in python processes torchrepro does not "
+                "record (see the notes)"
+            )
+        if not covered:
+            return (
+                "nothing that changes during training was compared: the script took no optimizer step, "
+                "ran no backward(), read no DataLoader batch and recorded no value"
+            )
+        uncovered = ", ".join(map(str, self.uncovered_ranks))
+        return (
+            f"rank(s) {uncovered} were not compared: nothing that changes during training was recorded "
+            f"there (training was compared on rank(s) {', '.join(map(str, covered))})"
+        )
+
+    def describe(self, *, uncovered: bool = True) -> str:
+        """One line for people: what was compared, and (``uncovered``) what was not."""
         counts = self.per_kind
         parts = [f"{counts.get(kind, 0)} {kind}" for kind in ("init", "data", "compute", "record")]
         if counts.get(FINAL_KEY):
@@ -404,7 +553,7 @@ class Coverage:
         text = "events compared: " + ", ".join(parts)
         if len(self.ranks_expected) > 1:
             text += f" over ranks {', '.join(map(str, self.ranks_expected))}"
-        if self.uncovered_ranks:
+        if uncovered and self.uncovered_ranks:
             text += "; nothing beyond init compared on rank(s) " + ", ".join(map(str, self.uncovered_ranks))
         return text
 
@@ -434,9 +583,59 @@ INCONCLUSIVE_HINT = (
 )
 
 
+UNRECORDED_HINT = (
+    "nothing that changes during training was compared: the training ran in python processes "
+    "the script started that torchrepro does not record (the notes name them); train in the "
+    "process torchrepro starts, give each rank a process group or a RANK of its own, or call "
+    "torchrepro.record(name, value) on what should be reproducible, e.g. the final weights"
+)
+
+FINAL_NOT_LOCATED = (
+    "not located: the runs differ in no recorded training step, only in the state at exit, so "
+    "there is no step to re-run with op tracing"
+)
+"""The note of a divergence seen only in the final state (locating traces a recorded step)."""
+
+
+def final_state_reason(d: Divergence, covered: Coverage | None, *, unrecorded: bool) -> str:
+    """The headline of a divergence seen only in the final state: which module, and why no recorded
+    step shows it (``unrecorded``: processes the script started trained without a record)."""
+    module = d.final_module() or "a module the script holds"
+    steps = 0 if covered is None else covered.per_rank.get(d.rank, {}).get("compute", 0)
+    if unrecorded:
+        why = "it trained in python processes torchrepro does not record: see the notes"
+    elif steps:
+        why = (
+            "every recorded training step matched: it changed after the last of them or beside them, "
+            "through an update that no optimizer step or backward() made"
+        )
+    else:
+        why = (
+            "the process holding it took no optimizer step and ran no backward() torchrepro sees: "
+            "e.g. gradients from torch.autograd.grad applied by hand, weights loaded or set outside "
+            "training, or initial values drawn unseeded; torchrepro.record(name, value) where it "
+            "changes finds the step"
+        )
+    return (
+        f"the runs differ only in the final state of {module}: the training that changed it was not "
+        f"recorded ({why})"
+    )
+
+
 def steps_compared(cursors: list[RankCursor]) -> int:
     """Optimizer steps compared: the highest compute step index reached on any rank, plus one."""
     return max((c.max_step_compared for c in cursors), default=-1) + 1
+
+
+def optimizer_steps(cursors: Sequence[RankCursor]) -> dict[str, int]:
+    """Optimizer steps compared per optimizer key, in optimizer order: the most any rank (and pair
+    of runs) compared, so two optimizers stepping 20 times each are ``{"optimizer0": 20,
+    "optimizer1": 20}``."""
+    found: dict[str, int] = {}
+    for cursor in cursors:
+        for key, n in cursor.optimizer_steps.items():
+            found[key] = max(found.get(key, 0), n)
+    return {key: found[key] for key in sorted(found, key=optimizer_index)}
 
 
 def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> Comparison:
@@ -456,16 +655,27 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
         if first.index < len(ea) and first.index < len(eb):
             tensor = tensor_difference(ea[first.index], eb[first.index])
+    started = setting_differences(a, b)
+    unrecorded = _unrecorded(a, b)
     env_differences, notes = _env_differences(a, b)
-    if first is not None and first.kind == "compute":
-        first, locate_notes = _locate_recorded(first, a, b)
-        notes += locate_notes
+    notes = unrecorded + notes
     covered = coverage(cursors, sorted(set(a.events) | set(b.events)))
+    reason = None
+    if first is not None and first.final_state:
+        reason = final_state_reason(first, covered, unrecorded=bool(unrecorded))
+        notes.append(FINAL_NOT_LOCATED)
+    elif first is not None and first.kind == "compute":
+        first, locate_notes = _locate_recorded(first, a, b, varied=_varied_threads(started))
+        notes += locate_notes
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
-        notes.append(covered.inconclusive_note())
-    started = setting_differences(a, b)
+        reason = covered.inconclusive_reason(unrecorded=bool(unrecorded))
+        notes.append(covered.inconclusive_note(unrecorded=bool(unrecorded)))
+    elif first is None and unrecorded:
+        reproducible = None
+        reason = UNRECORDED_REASON
+        notes.append(f"inconclusive: {UNRECORDED_REASON}")
     return Comparison(
         reproducible=reproducible,
         steps_compared=steps_compared(cursors),
@@ -475,7 +685,25 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         tensor=tensor,
         notes=tuple(d.describe() for d in started) + tuple(notes),
         setting_differences=started,
+        optimizer_steps=optimizer_steps(cursors),
+        reason=reason,
     )
+
+
+UNRECORDED_REASON = (
+    "a python process the script started trained without a record, so its training was not compared"
+)
+"""The headline of a verdict with no divergence while a process the script started trained
+unrecorded (its note names it)."""
+
+
+def _unrecorded(a: RunRecord, b: RunRecord) -> list[str]:
+    """The notes of python processes that trained without a record in either run, each once."""
+    la, lb = read_uncovered(a.path), read_uncovered(b.path)
+    notes = [f"in both runs: {line}" for line in la if line in lb]
+    notes += [f"in run A: {line}" for line in la if line not in lb]
+    notes += [f"in run B: {line}" for line in lb if line not in la]
+    return notes
 
 
 def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
@@ -505,7 +733,9 @@ def _traced_optimizer(run: RunRecord) -> int:
     return 0 if value is None else value
 
 
-def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Divergence, list[str]]:
+def _locate_recorded(
+    first: Divergence, a: RunRecord, b: RunRecord, *, varied: str | None = None
+) -> tuple[Divergence, list[str]]:
     """Fill op/module/location of a compute divergence from the runs' op traces of its step."""
     k = first.step
     hint = (
@@ -523,7 +753,7 @@ def _locate_recorded(first: Divergence, a: RunRecord, b: RunRecord) -> tuple[Div
     if first.rank not in ranks:
         return first, [f"the op traces of step {k} do not cover rank {first.rank}; {hint}"]
     pairs = [(r, a.traces[k][r], b.traces[k][r]) for r in ranks]
-    located, notes, failed = locate_in_traces(first, pairs)
+    located, notes, failed = locate_in_traces(first, pairs, varied=varied)
     if located is not None:
         return located, notes
     if failed:

@@ -35,6 +35,7 @@ __all__ = [
     "divergence_order",
     "earliest",
     "in_order",
+    "is_optimizer_key",
     "is_step",
     "optimizer_index",
     "optimizer_key",
@@ -67,6 +68,12 @@ def optimizer_index(key: str | None) -> int:
     if key == BACKWARD_KEY:
         return -1
     return 0
+
+
+def is_optimizer_key(key: str | None) -> bool:
+    """Whether an event key names an optimizer (``optimizer<N>``), not ``backward``, ``final``,
+    a loader or a recorded name."""
+    return bool(key and key.startswith(_OPTIMIZER) and key[len(_OPTIMIZER) :].isdigit())
 
 
 def counted_kind(kind: str, key: str | None) -> str:

@@ -78,6 +78,32 @@ def test_wrappers_and_holders_are_seen_through() -> None:
     del wrapped, holder, net
 
 
+class Generator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+class Discriminator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+
+
+def test_two_models_with_the_same_paths_are_told_apart_by_their_variable() -> None:
+    """A GAN: netG and netD both have main.0.weight; each name says which model it is."""
+    netG, netD = Generator(), Discriminator()  # the names DCGAN scripts use
+    params = [netD.main[0].weight, netG.main[0].weight, netG.main[2].bias]
+    assert _names_from_here(params) == ["netD.main.0.weight", "netG.main.0.weight", "netG.main.2.bias"]
+    # control: one model alone (or two without a path in common) keeps its bare paths
+    assert _names_from_here([netG.main[0].weight]) != ["main.0.weight"]  # netD is still in scope
+    del netD
+    assert _names_from_here([netG.main[0].weight]) == ["main.0.weight"]
+    net = Net()
+    assert _names_from_here([net.head.bias, netG.main[0].bias]) == ["head.bias", "main.0.bias"]
+    del net, netG
+
+
 def test_a_parameter_no_module_holds_is_numbered() -> None:
     stray = nn.Parameter(torch.zeros(2))
     assert ParamNames().names([stray], None) == ["#0"]

@@ -138,3 +138,40 @@ def test_launch_rejects_a_bad_trace_step(bad: Any, tmp_path: Path) -> None:
 def test_cli_trace_step_usage_error(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--trace-step", bad, str(SCRIPT)]) == 2
     assert "--trace-step" in capsys.readouterr().err
+
+
+def test_a_threads_difference_is_called_a_setting_not_nondeterminism(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LayerNorm's backward splits a reduction by the thread count: records of --threads 1 and
+    --threads 2, both traced at step 0, part there. compare names the op and says the thread
+    count decides its result, not that the op is nondeterministic; the environment variables
+    --threads set are put under that setting, and what every two records differ in is left out."""
+    script = Path(__file__).parents[1] / "e2e" / "scripts" / "threads_layernorm.py"
+    cli = [sys.executable, "-m", "torchrepro", "run", "--trace-step", "0", "--record"]
+    procs = [
+        subprocess.Popen(
+            [*cli, name, "--threads", threads, os.fspath(script)],
+            cwd=tmp_path,
+            env=user_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, threads in (("one", "1"), ("two", "2"))
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    code, verdict = _compare_json(capsys, tmp_path / "one", tmp_path / "two")
+    assert code == 1 and verdict["first_divergence"]["op"] == "aten.native_layer_norm_backward.default"
+    assert verdict["notes"][0].startswith("started with different threads: 1 vs 2 (a settings difference")
+    source = next(n for n in verdict["notes"] if n.startswith("source op"))
+    assert "between 1 thread (run A) and 2 threads (run B): the op's result depends on that setting" in source
+    assert "nondeterministic" not in source
+    code, human = _compare(capsys, tmp_path / "one", tmp_path / "two")
+    assert code == 1
+    assert "env set by the threads setting above: " in human and "OMP_NUM_THREADS" in human
+    assert " ! env" not in human  # every environment difference here is the setting's
+    assert "collected_at" not in human and "RECORD_DIR" not in human
+    assert os.fspath(tmp_path) not in human  # no record path at all in this report

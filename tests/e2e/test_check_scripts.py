@@ -16,6 +16,8 @@ import pytest
 
 from helpers import check_json as check
 from helpers import user_env
+from torchrepro._child.spec import python_hash_seed
+from torchrepro.compare import FINAL_NOT_LOCATED
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -31,8 +33,12 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
         "reproducible": True,
         "runs": 2,
         "steps_compared": 4,
+        "optimizer_steps": 4,
+        "steps_per_optimizer": {"optimizer0": 4},
         "first_divergence": None,
         "inconclusive": False,
+        "reason": None,
+        "varied": None,
         "coverage": {
             "per_kind": {"compute": 4, "data": 4, "final": 1, "init": 1},
             "per_rank": {"0": {"compute": 4, "data": 4, "final": 1, "init": 1}},
@@ -80,6 +86,9 @@ def test_vary_workers_that_varies_nothing_is_inconclusive(tmp_path: Path) -> Non
     code, verdict, err = check(tmp_path, "--vary", "workers", script("no_loader.py"))
     assert (code, verdict["reproducible"], verdict["inconclusive"]) == (3, None, True), err
     assert "--vary workers: run 2 created no DataLoader; nothing was varied" in verdict["notes"]
+    # the headline's reason is the real one, not "not enough was compared" after 4 compared steps
+    assert verdict["steps_compared"] == 4
+    assert verdict["reason"] == "--vary workers varied nothing: the script created no DataLoader"
 
 
 def test_vary_workers_survives_a_loader_rebuilt_by_accelerate(tmp_path: Path) -> None:
@@ -168,9 +177,17 @@ def test_nothing_compared_is_inconclusive_never_reproducible(tmp_path: Path) -> 
     assert verdict["steps_compared"] == 0 and verdict["coverage"]["uncovered_ranks"] == [0]
     assert verdict["coverage"]["per_kind"] == {"final": 1}  # the state at exit alone is not a pass
     assert any(note.startswith("inconclusive:") for note in verdict["notes"])
+    assert verdict["reason"] == (
+        "nothing that changes during training was compared: the script took no optimizer step, ran no "
+        "backward(), read no DataLoader batch and recorded no value"
+    )
     # control: the state at exit is compared, and differs when the runs are not seeded
     code, verdict, err = check(tmp_path, "--no-seed", script("zero_steps.py"))
     assert code == 1 and verdict["first_divergence"]["name"] == "final:model.0.weight", err
+    # ... said as what it is (no step to locate), not as "compute at step 0" with a traced re-run
+    assert verdict["reason"].startswith("the runs differ only in the final state of model: ")
+    assert FINAL_NOT_LOCATED in verdict["notes"]
+    assert not [n for n in verdict["notes"] if n.startswith("locating")], verdict["notes"]
 
 
 def test_a_hand_written_update_loop_is_compared_step_by_step(tmp_path: Path) -> None:
@@ -283,3 +300,100 @@ def test_vary_threads_names_the_op_whose_result_depends_on_the_thread_count(tmp_
     note = next(n for n in verdict["notes"] if "source op" in n)
     assert "between 1 thread (first run) and 2 threads (other run)" in note
     assert "depends on that setting" in note and "random" not in note.split("not on")[0]
+    assert verdict["varied"] == "1 vs 2 threads"
+
+
+# --- verdicts that name the real reason -----------------------------------------------------------
+
+
+def _locating(verdict: dict[str, object]) -> list[str]:
+    return [n for n in verdict["notes"] if str(n).startswith("locating")]  # type: ignore[attr-defined]
+
+
+def test_training_in_forked_processes_is_named_as_the_reason_and_never_located(tmp_path: Path) -> None:
+    """Hogwild!: forked trainers update a shared model, the main process takes no step. The final
+    state differs: said as training that was not recorded, with no traced re-run (there is no
+    recorded step to trace) and --steps said not applied to what was compared."""
+    code, verdict, err = check(tmp_path, "--steps", "2", script("hogwild.py"), "--noisy")
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["key"], d["name"]) == ("compute", "final", "final:model.0.weight")
+    assert verdict["reason"].startswith(
+        "the runs differ only in the final state of model: the training that changed it was not "
+        "recorded (it trained in python processes torchrepro does not record"
+    ), verdict["reason"]
+    notes = "\n".join(verdict["notes"])
+    assert "hogwild.py --noisy` was not recorded: it was forked from a process of the run" in notes
+    assert FINAL_NOT_LOCATED in verdict["notes"]
+    assert _locating(verdict) == [] and "op tracing unavailable" not in notes
+    assert not list(tmp_path.glob(".torchrepro/checks/*/locate*"))  # no traced re-run started
+    assert "--steps 2 could not be applied to what was compared" in notes
+    # control: the trainers one after the other, without noise, end in the same state; nothing
+    # was compared, and the headline says where the training went
+    code, verdict, err = check(tmp_path, script("hogwild.py"), "--sequential")
+    assert (code, verdict["reproducible"], verdict["first_divergence"]) == (3, None, None), err
+    assert verdict["reason"] == (
+        "nothing was compared: the training ran in python processes torchrepro does not record "
+        "(see the notes)"
+    )
+
+
+def test_an_update_no_optimizer_or_backward_made_is_named_and_steps_is_not_silently_ignored(
+    tmp_path: Path,
+) -> None:
+    """torch.autograd.grad and an in-place update: nothing the recorder counts as a step."""
+    code, verdict, err = check(tmp_path, "--steps", "2", script("grad_update.py"), "--noisy")
+    assert code == 1, err
+    assert verdict["reason"].startswith(
+        "the runs differ only in the final state of model: the training that changed it was not "
+        "recorded (the process holding it took no optimizer step and ran no backward()"
+    ), verdict["reason"]
+    assert _locating(verdict) == [] and FINAL_NOT_LOCATED in verdict["notes"]
+    assert (
+        "--steps 2 was not applied: the script took no optimizer step and ran no backward() that "
+        "torchrepro counts, so every run ran to its end"
+    ) in verdict["notes"]
+    # control: the same update from a seeded generator ends in equal states; not a pass either
+    code, verdict, err = check(tmp_path, script("grad_update.py"))
+    assert (code, verdict["reproducible"]) == (3, None), err
+    assert verdict["reason"].startswith("nothing that changes during training was compared")
+
+
+@pytest.mark.parametrize(
+    ("vary", "varied"),
+    [
+        ("threads", "1 vs 2 threads"),
+        ("workers", "num_workers 0 vs 2 in 1 DataLoader"),
+        ("hashseed", f"PYTHONHASHSEED {python_hash_seed(0, 'vary', 0)} vs {python_hash_seed(0, 'vary', 1)}"),
+    ],
+)
+def test_a_reproducible_verdict_under_vary_says_what_was_varied(
+    tmp_path: Path, vary: str, varied: str
+) -> None:
+    code, verdict, err = check(tmp_path, "--vary", vary, script("unseeded.py"))
+    assert (code, verdict["reproducible"], verdict["varied"]) == (0, True, varied), err
+    assert verdict["reason"] is None
+
+
+def test_two_optimizers_are_counted_as_optimizer_steps_and_two_models_told_apart(tmp_path: Path) -> None:
+    """A GAN: optimizerD and optimizerG step 3 times each (6 optimizer steps in 3 training steps);
+    netG and netD both hold main.0.weight, and each name says which model it is."""
+    code, verdict, err = check(tmp_path, script("gan.py"))
+    assert (code, verdict["reproducible"]) == (0, True), err
+    assert (verdict["steps_compared"], verdict["optimizer_steps"]) == (3, 6)
+    assert verdict["steps_per_optimizer"] == {"optimizer0": 3, "optimizer1": 3}
+    (run0,) = tmp_path.glob(".torchrepro/checks/*/run0")
+    events = [json.loads(line) for line in (run0 / "events.rank0.jsonl").read_text().splitlines()]
+    inits = {e["key"]: [leaf["n"] for leaf in e["t"]] for e in events if e["kind"] == "init"}
+    assert inits["optimizer0"][0] == "param:netD.main.0.weight"
+    assert inits["optimizer1"][0] == "param:netG.main.0.weight"
+    # control: noise in what netD sees parts the runs in netD's gradients, named as netD's
+    code, verdict, err = check(tmp_path, "--no-locate", script("gan.py"), "--noisy")
+    assert code == 1, err
+    d = verdict["first_divergence"]
+    assert (d["kind"], d["step"], d["key"], d["name"]) == (
+        "compute",
+        0,
+        "optimizer0",
+        "grad:netD.main.0.weight",
+    )

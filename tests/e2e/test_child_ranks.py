@@ -87,6 +87,8 @@ def test_a_forked_rank_is_never_a_pass(tmp_path: Path) -> None:
     notes = "\n".join(verdict["notes"])
     assert "rank 1 (started by the script) wrote no record in run(s) 1, 2" in notes, notes
     assert "was compared on rank(s) 1 (training was compared on rank(s) 0)" in notes, notes
+    # the forked rank trained: it says so itself (it inherited the hooks, not the recorder)
+    assert "fork_rank.py` was not recorded: it was forked from a process of the run and trained" in notes
     code, verdict, err = check(tmp_path, str(SCRIPTS / "fork_rank.py"), "--noisy")
     assert code == 1, (verdict, err)
     first = verdict["first_divergence"]

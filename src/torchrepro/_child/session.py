@@ -18,6 +18,9 @@ Invariants:
 - The ranks of a run end their process group together (``_child.teardown``): installed at
   ``configure``; at ``close``, after the last event is written, a group the script left alive is
   ended so, in the process torchrepro started and when the script ended without an error.
+- A process forked from a configured one inherits its hooks but records nothing (the recorder
+  stays silent there) and never traces; when it trains (an optimizer step, a ``backward()`` step)
+  it leaves one ``uncovered`` note, so a check says the training ran unrecorded.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class Session:
 
     def __init__(self, spec: ChildSpec, script: str | None, *, main: bool = True) -> None:
         self.main = main
+        self.pid = os.getpid()
+        self._fork_noted: int | None = None  # the forked process that noted its training
         self.claim: RankClaim | None = None
         self.varied: list[tuple[int, int]] = []  # (num_workers asked, used) per DataLoader varied
         self.spec = spec
@@ -88,8 +93,8 @@ class Session:
     # --- tracing (spec.trace_step / spec.ops_out) ---
     def _start_tracer(self) -> None:
         rank = self.rank
-        if self.tracer is not None or self.trace_out is None or rank is None:
-            return
+        if self.tracer is not None or self.trace_out is None or rank is None or os.getpid() != self.pid:
+            return  # a forked process must not write the trace of the process it was forked from
         try:
             from torchrepro.tracing import Tracer
 
@@ -142,6 +147,26 @@ class Session:
         except Exception as exc:
             print(f"torchrepro bootstrap: writing the op record failed: {exc}", file=sys.stderr)
 
+    def _forked_training(self) -> bool:
+        """In a process forked from this session's (it inherited the hooks): note once that it
+        trained unrecorded, and return True; in the configured process itself, False."""
+        pid = os.getpid()
+        if pid == self.pid:
+            return False
+        if self._fork_noted != pid and self.spec.record_dir:
+            self._fork_noted = pid
+            argv = [sys.executable, *sys.argv]  # the script's command line (a fork runs no other)
+            why = (
+                "it was forked from a process of the run and trained there: a forked process is no new "
+                "interpreter, so torchrepro cannot configure it and it records nothing (start it with "
+                "the spawn method, or train in the process torchrepro starts)"
+            )
+            try:
+                runrecord.write_uncovered(self.spec.record_dir, pid, argv, why)
+            except (OSError, TypeError, ValueError) as exc:
+                print(f"torchrepro: a forked process trained unrecorded: {exc}", file=sys.stderr)
+        return True
+
     # --- hooks ---
     def on_init(self, opt: torch.optim.Optimizer, index: int) -> None:
         self.has_optimizer = True  # from now on --steps counts optimizer steps, not backward() calls
@@ -149,6 +174,7 @@ class Session:
             self._start_tracer()
 
     def on_step(self, opt: torch.optim.Optimizer, index: int, step: int) -> None:
+        self._forked_training()
         self.steps[index] = step + 1
         if self.spec.trace_step is not None and index == self.spec.trace_optimizer:
             if step == self.spec.trace_step - 1:
@@ -161,6 +187,8 @@ class Session:
     def on_backward(self, step: int, ended: bool) -> None:
         """Steps counted by ``backward()``: training no optimizer sees (``_child.training``)."""
         traced = self.spec.trace_step if self.spec.trace_optimizer == BACKWARD_STEPS else None
+        if ended:
+            self._forked_training()
         if not ended:
             if traced is not None and step == traced + 1:
                 self._stop_tracer()  # step ``trace_step``'s update ran before this backward
@@ -266,7 +294,9 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
         on_vary=session.on_vary if spec.num_workers is not None else None,
         on_init=session.on_init,
         on_step=session.on_step,
-        on_backward=session.on_backward if spec.max_steps or spec.trace_step is not None else None,
+        on_backward=(
+            session.on_backward if spec.max_steps or spec.trace_step is not None or spec.record_dir else None
+        ),
     )
     if probe is not None:
         probe.backward = session.backward_steps  # the probe counts backward steps as the session does

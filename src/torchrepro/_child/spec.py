@@ -39,6 +39,7 @@ __all__ = [
     "mark_rank",
     "parent_rank",
     "python_hash_seed",
+    "variable",
 ]
 
 ENV_PREFIX = "TORCHREPRO_"
@@ -85,6 +86,15 @@ LOCATION_VARIABLES = (
     ENV_PREFIX + "TRACE_STEP",
 )
 """Protocol variables that only say where a child writes its records (harmless in an env diff)."""
+
+
+def variable(name: str) -> str:
+    """The environment variable that carries ``ChildSpec`` field ``name`` to a child.
+
+    >>> variable("threads")
+    'TORCHREPRO_THREADS'
+    """
+    return ENV_PREFIX + _VARIABLES[name][0]
 
 
 def python_hash_seed(seed: int, *keys: int | str) -> int:

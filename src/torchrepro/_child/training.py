@@ -6,7 +6,10 @@ Invariants:
   (``encoder.layer.0.attn.q.weight``), found among the modules the calling frames and
   ``__main__`` refer to (a wrapper's ``.module`` or a compiled module's ``_orig_mod`` unwrapped);
   a parameter found in none is ``#<i>``, its position in the event. Names are looked up once per
-  parameter (a cache checked by identity), never from an object's ``repr``.
+  parameter (a cache checked by identity), never from an object's ``repr``. When two separate
+  models in scope have a parameter of the same path (a GAN's ``netG`` and ``netD`` both with
+  ``main.0.weight``), the path starts with the variable that holds the model
+  (``netD.main.0.weight``), so every name says which object it is.
 - An optimizer step's ``compute`` event holds, in this order, the gradients the step used, the
   optimizer's state after it, and the parameters after it: the first differing tensor names the
   earliest cause (a gradient that the update rounded away is still a divergence at that step).
@@ -41,26 +44,32 @@ _HOLDER_ATTRS = ("model", "module", "net", "network", "model_wrapped")
 _FRAMES = 40
 
 
-def _module_candidates(frame: types.FrameType | None) -> Iterator[torch.nn.Module]:
-    """Modules the frames from ``frame`` outward and ``__main__`` refer to (one attribute deep)."""
+def _module_candidates(frame: types.FrameType | None) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Modules the frames from ``frame`` outward and ``__main__`` refer to (one attribute deep),
+    each with the variable that holds it (``netD``, ``trainer.model``)."""
     seen: set[int] = set()
 
-    def found(value: Any) -> Iterator[torch.nn.Module]:
-        for obj in (value, *(getattr(value, a, None) for a in _HOLDER_ATTRS if not isinstance(value, type))):
+    def found(name: str, value: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+        held = (
+            []
+            if isinstance(value, type)
+            else [(f"{name}.{a}", getattr(value, a, None)) for a in _HOLDER_ATTRS]
+        )
+        for label, obj in ((name, value), *held):
             if isinstance(obj, torch.nn.Module) and id(obj) not in seen:
                 seen.add(id(obj))
-                yield obj
+                yield label, obj
 
     depth = 0
     while frame is not None and depth < _FRAMES:
-        for value in list(frame.f_locals.values()):
-            yield from found(value)
+        for name, value in list(frame.f_locals.items()):
+            yield from found(name, value)
         frame = frame.f_back
         depth += 1
     main = sys.modules.get("__main__")
     if main is not None:
-        for value in list(vars(main).values()):
-            yield from found(value)
+        for name, value in list(vars(main).items()):
+            yield from found(name, value)
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -112,21 +121,45 @@ class ParamNames:
 
     def _search(self, missing: dict[int, torch.Tensor], frame: types.FrameType | None) -> None:
         try:
-            candidates = [_unwrap(m) for m in _module_candidates(frame)]
+            candidates = [(label, _unwrap(m)) for label, m in _module_candidates(frame)]
         except Exception:  # an object whose attribute access fails: names are a courtesy
             return
         # The root model holds the most parameters: its paths are the ones people read.
-        candidates.sort(key=lambda m: -sum(1 for _ in m.parameters()))
-        for module in candidates:
+        candidates.sort(key=lambda c: -sum(1 for _ in c[1].parameters()))
+        prefixes = _prefixes(candidates)
+        for _, module in candidates:
+            prefix = prefixes.get(id(module), "")
             for position, (name, p) in enumerate(module.named_parameters()):
                 if missing.get(id(p)) is p:
                     try:
-                        self._names[id(p)] = (weakref.ref(p), name, position)
+                        self._names[id(p)] = (weakref.ref(p), prefix + name, position)
                     except TypeError:
                         continue
                     del missing[id(p)]
             if not missing:
                 return
+
+
+def _prefixes(candidates: Sequence[tuple[str, torch.nn.Module]]) -> dict[int, str]:
+    """``{id(root): "<variable>."}`` for separate models (no parameter in common) that share a
+    parameter path, largest first: their paths alone would not say which model they belong to."""
+    roots: list[tuple[str, torch.nn.Module, set[str]]] = []
+    held: set[int] = set()
+    seen: set[int] = set()
+    for label, module in candidates:
+        if id(module) in seen:  # two wrappers of one model
+            continue
+        seen.add(id(module))
+        named = list(module.named_parameters())
+        ids = {id(p) for _, p in named}
+        if ids and not ids & held:
+            roots.append((label, module, {n for n, _ in named}))
+            held |= ids
+    return {
+        id(module): f"{label}."
+        for label, module, paths in roots
+        if any(paths & other for _, m, other in roots if m is not module)
+    }
 
 
 def optimizer_items(
