@@ -8,26 +8,15 @@ settings, and a failing script.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from helpers import line_of, relative
 from torchrepro.cli import main
 
 SCRIPTS = Path(__file__).with_name("audit_scripts")
-
-
-def _rel(path: Path) -> str:
-    return os.path.relpath(path, os.getcwd())
-
-
-def _line(script: Path, text: str) -> str:
-    """``file:line`` (as the audit shows it) of the line of ``script`` that contains ``text``."""
-    lines = script.read_text().splitlines()
-    (number,) = [n for n, t in enumerate(lines, start=1) if text in t]
-    return f"{_rel(script)}:{number}"
 
 
 def _audit_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
@@ -43,11 +32,11 @@ def plain_shell(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_flagged_ops_name_op_module_and_forward_line(
+def test_flagged_ops_name_op_module_and_forwardline_of(
     capsys: pytest.CaptureFixture[str], plain_shell: None
 ) -> None:
     script = SCRIPTS / "flagged.py"
-    code, report = _audit_json(capsys, _rel(script))
+    code, report = _audit_json(capsys, relative(script))
     assert code == 1
     errors = {
         (f["code"], f["op"], f["module"], f["location"])
@@ -55,9 +44,9 @@ def test_flagged_ops_name_op_module_and_forward_line(
         if f["severity"] == "error"
     }
     assert errors == {
-        ("TR102", "aten._adaptive_avg_pool2d_backward", "pool", _line(script, "h = self.pool(h)")),
-        ("TR133", "aten.scatter_.reduce", None, _line(script, 'reduce="multiply"')),
-        ("TR134", "aten.nanmedian.dim", None, _line(script, "nanmedian(dim=1)")),
+        ("TR102", "aten._adaptive_avg_pool2d_backward", "pool", line_of(script, "h = self.pool(h)")),
+        ("TR133", "aten.scatter_.reduce", None, line_of(script, 'reduce="multiply"')),
+        ("TR134", "aten.nanmedian.dim", None, line_of(script, "nanmedian(dim=1)")),
     }
     # documented as raising on CUDA, measured deterministic under strict mode on a GPU: info that says so
     measured = {f["code"]: f for f in report["findings"] if "(measured on an NVIDIA H200" in f["message"]}
@@ -66,7 +55,9 @@ def test_flagged_ops_name_op_module_and_forward_line(
     )
     # the probe saw the arguments: bincount without weights and integer cumsum are not reported
     reported = {f["location"] for f in report["findings"]}
-    assert _line(script, "torch.bincount(") not in reported and _line(script, ".cumsum(1)") not in reported
+    assert (
+        line_of(script, "torch.bincount(") not in reported and line_of(script, ".cumsum(1)") not in reported
+    )
     assert "TR132" not in {f["code"] for f in report["findings"]}  # no scatter with reduce='add'
     for f in report["findings"]:
         assert set(f) == {"code", "severity", "op", "module", "location", "message", "fix"}
@@ -79,7 +70,7 @@ def test_flagged_ops_name_op_module_and_forward_line(
 
 
 def test_clean_cnn_exits_0_with_no_error(capsys: pytest.CaptureFixture[str], plain_shell: None) -> None:
-    code = main(["audit", _rel(SCRIPTS / "clean.py")])
+    code = main(["audit", relative(SCRIPTS / "clean.py")])
     out = capsys.readouterr().out
     assert code == 0
     assert "ERROR" not in out
@@ -95,7 +86,7 @@ def test_settings_the_script_itself_sets(
     monkeypatch.setenv("TORCHREPRO_SEED", "5")
     monkeypatch.setenv("TORCHREPRO_MODE", "strict")
     script = SCRIPTS / "settings.py"
-    code, report = _audit_json(capsys, "--steps", "2", _rel(script))
+    code, report = _audit_json(capsys, "--steps", "2", relative(script))
     assert code == 1
     found = {f["code"]: f for f in report["findings"]}
     for expected in ("TR201", "TR203", "TR204", "TR207", "TR208", "TR301", "TR303"):
@@ -104,21 +95,24 @@ def test_settings_the_script_itself_sets(
     # strict mode without CUBLAS_WORKSPACE_CONFIG: every matmul would raise on CUDA
     assert found["TR202"]["severity"] == "error"
     # put_ raises under strict mode even on this CPU: the audit still ran both steps and reports it
-    assert (found["TR111"]["severity"], found["TR111"]["location"]) == ("error", _line(script, "hits.put_("))
-    loader_line = _line(script, "loader = DataLoader(")
+    assert (found["TR111"]["severity"], found["TR111"]["location"]) == (
+        "error",
+        line_of(script, "hits.put_("),
+    )
+    loader_line = line_of(script, "loader = DataLoader(")
     assert found["TR301"]["location"] == loader_line
     assert "Noisy.__getitem__ draws from Python's global random" in found["TR301"]["message"]
     assert "SeededLoader" in found["TR301"]["fix"]
     # two workers reseed random from a base seed drawn from the unseeded torch RNG; reported
     # where __getitem__ draws, naming the loader
-    assert found["TR304"]["location"] == _line(script, "if random.random() < 0.5")
+    assert found["TR304"]["location"] == line_of(script, "if random.random() < 0.5")
     assert f"2 DataLoader workers of the DataLoader at {loader_line}" in found["TR304"]["message"]
     settings = report["settings"]
     assert settings["optimizer_steps"] == 2
     assert (
         settings["deterministic_algorithms"] is True and settings["warn_only"] is False
     )  # as the script asks
-    compile_line = _line(script, "torch.compile(model)")
+    compile_line = line_of(script, "torch.compile(model)")
     assert settings["compile_calls"] == [{"location": compile_line, "backend": "inductor", "mode": None}]
     # deterministic algorithms turn Inductor's deterministic mode on too: no TR401 for this call
     assert "TR401" not in found
@@ -128,22 +122,22 @@ def test_datasets_drawing_from_unseeded_global_rngs(
     capsys: pytest.CaptureFixture[str], plain_shell: None
 ) -> None:
     script = SCRIPTS / "global_rngs.py"
-    code, report = _audit_json(capsys, _rel(script))
+    code, report = _audit_json(capsys, relative(script))
     assert code == 0  # warnings only
     found = {(f["code"], f["location"]): f for f in report["findings"] if f["location"]}
     # reported at the line of __getitem__ that draws, naming the loader's line
-    flips = found.pop(("TR304", _line(script, "x.flip(0) if random.random()")))
+    flips = found.pop(("TR304", line_of(script, "x.flip(0) if random.random()")))
     assert "Flip.__getitem__" in flips["message"] and "Python's global random" in flips["message"]
-    assert f"by the DataLoader at {_line(script, 'flips = DataLoader(')})" in flips["message"]
+    assert f"by the DataLoader at {line_of(script, 'flips = DataLoader(')})" in flips["message"]
     assert "random.seed(0)" in flips["fix"] and "sample_rng()" in flips["fix"]
-    jitters = found.pop(("TR304", _line(script, "float(np.random.uniform(")))
+    jitters = found.pop(("TR304", line_of(script, "float(np.random.uniform(")))
     assert "Jitter.__getitem__" in jitters["message"] and "NumPy's global RNG" in jitters["message"]
-    assert f"by the DataLoader at {_line(script, 'jitters = DataLoader(')})" in jitters["message"]
+    assert f"by the DataLoader at {line_of(script, 'jitters = DataLoader(')})" in jitters["message"]
     # the seed comes from random.randint, which nothing seeded: reported where it seeds
-    seed = found.pop(("TR305", _line(script, "    torch.manual_seed(seed)")))
+    seed = found.pop(("TR305", line_of(script, "    torch.manual_seed(seed)")))
     assert "random.randint" in seed["message"] and "torch.manual_seed" in seed["message"]
     # a RandomSampler without a generator: the fix gives it one, not the DataLoader
-    sampler = found.pop(("TR303", _line(script, "sampled = DataLoader(")))
+    sampler = found.pop(("TR303", line_of(script, "sampled = DataLoader(")))
     assert sampler["fix"].startswith("Give the generator to the sampler: RandomSampler(dataset, generator=")
     # the FakeData-like loader seeds per index: nothing else is reported
     assert found == {}
@@ -153,29 +147,29 @@ def test_seeded_script_has_no_global_rng_finding(
     capsys: pytest.CaptureFixture[str], plain_shell: None
 ) -> None:
     # negative control for the test above: the same datasets, every global RNG seeded with a constant
-    code, report = _audit_json(capsys, _rel(SCRIPTS / "global_rngs.py"), "seeded")
+    code, report = _audit_json(capsys, relative(SCRIPTS / "global_rngs.py"), "seeded")
     assert code == 0
     assert {f["code"] for f in report["findings"]} == {"TR201", "TR202", "TR303"}
     probes = [loader["probe"]["draws"] for loader in report["settings"]["dataloaders"]]
     assert probes == [["random"], ["numpy"], [], []]  # the draws are still seen; they are seeded
 
 
-def test_loader_built_by_lightning_points_at_the_users_line(
+def test_loader_built_by_lightning_points_at_the_usersline_of(
     capsys: pytest.CaptureFixture[str], plain_shell: None
 ) -> None:
     script = SCRIPTS / "lightning_datamodule.py"
-    code, report = _audit_json(capsys, _rel(script))
+    code, report = _audit_json(capsys, relative(script))
     assert code == 0
     (finding,) = [f for f in report["findings"] if f["code"] == "TR304"]
     # where the dataset draws; the loader is the user's line that handed the data to Lightning
-    assert finding["location"] == _line(script, "x.flip(0) if random.random()")
-    assert f"by the DataLoader at {_line(script, 'trainer.fit(')})" in finding["message"]
+    assert finding["location"] == line_of(script, "x.flip(0) if random.random()")
+    assert f"by the DataLoader at {line_of(script, 'trainer.fit(')})" in finding["message"]
     assert "Flip.__getitem__" in finding["message"] and "Python's global random" in finding["message"]
     assert "lightning.seed_everything(0, workers=True)" in finding["fix"]
 
 
 def test_failing_script_exits_2_with_its_traceback(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["audit", "--json", _rel(SCRIPTS / "fails.py")])
+    code = main(["audit", "--json", relative(SCRIPTS / "fails.py")])
     captured = capsys.readouterr()
     assert code == 2
     assert captured.out == ""

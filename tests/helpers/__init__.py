@@ -15,7 +15,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROOT", "SRC", "check_json", "free_port", "marked_line", "torchrepro", "user_env"]
+__all__ = [
+    "ROOT",
+    "SRC",
+    "check_json",
+    "free_port",
+    "line_of",
+    "marked_line",
+    "relative",
+    "torchrepro",
+    "user_env",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout's root."""
@@ -71,3 +81,15 @@ def marked_line(path: Path, marker: str) -> int:
         if text.rstrip().endswith(f"# {marker}"):
             return number
     raise AssertionError(f"{path.name} has no line marked {marker!r}")
+
+
+def relative(path: Path) -> str:
+    """``path`` relative to the current directory, as the audit shows a script it ran there."""
+    return os.path.relpath(path, os.getcwd())
+
+
+def line_of(script: Path, text: str) -> str:
+    """``file:line`` (as the audit shows it) of the one line of ``script`` that contains ``text``."""
+    lines = script.read_text(encoding="utf-8").splitlines()
+    (number,) = [n for n, t in enumerate(lines, start=1) if text in t]
+    return f"{relative(script)}:{number}"

@@ -151,19 +151,17 @@ def _assigned(scope: ast.AST, name: str, before: int | None) -> ast.expr | None:
 def _resolve(node: ast.expr, frame: types.FrameType) -> Any:
     """The object a dotted name (``time.time``, ``np.random.randint``, ``randint``) names in the
     frame, through modules and classes only; None when it names anything else."""
-    parts: list[str] = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
+    dotted = _dotted(node)
+    if dotted is None:
         return None
+    head, *parts = dotted.split(".")
     missing = object()
-    obj = frame.f_locals.get(node.id, missing)
+    obj = frame.f_locals.get(head, missing)
     if obj is missing:
-        obj = frame.f_globals.get(node.id, missing)
+        obj = frame.f_globals.get(head, missing)
     if obj is missing:
-        obj = getattr(builtins, node.id, None)
-    for attr in reversed(parts):
+        obj = getattr(builtins, head, None)
+    for attr in parts:
         if not isinstance(obj, (types.ModuleType, type)):
             return None
         obj = getattr(obj, attr, None)
