@@ -26,7 +26,6 @@ import torch
 
 from torchrepro.flags import DeterminismFlags
 
-
 # DeterminismFlags' fields that are environment variables: os.environ's check covers them.
 _VARIABLES = {
     "cublas_workspace_config": "CUBLAS_WORKSPACE_CONFIG",
