@@ -371,3 +371,23 @@ def test_strict_mode_does_not_import_inductor_but_inductor_still_compiles_determ
         [sys.executable, "-c", stock], env=env, capture_output=True, text=True, check=True
     )
     assert control.stdout.strip() == "True"
+
+
+def test_the_status_table_names_each_setting_once_and_the_fix_of_each_shortfall(
+    saved: DeterminismFlags,
+) -> None:
+    messy()
+    report = status()
+    text = str(report)
+    lines = text.splitlines()
+    assert lines[0].startswith(f"determinism: {report.mode}") and "not deterministic" in lines[0]
+    for item in report.items:
+        (row,) = [line for line in lines if line.split()[1:2] == [item.name]]
+        assert row.split()[0] == ("ok" if item.ok else "NO")
+        assert ("strict wants" in row) == (not item.ok)
+    assert text.count("fix: ") == len(report.shortfalls)
+    assert "cudnn.benchmark" in text and "call torchrepro.set_determinism('strict')" in text
+    set_determinism("strict")
+    strict = str(status())
+    assert strict.splitlines()[0].startswith("determinism: strict mode (deterministic)")
+    assert "NO  deterministic_algorithms" not in strict

@@ -209,6 +209,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_script_args(p)
 
+    p = sub.add_parser(
+        "status",
+        help="every determinism switch and process-start setting a script started here would get",
+        description="The determinism report of a fresh process started from this shell (what a "
+        "script gets before its first line): each switch, what strict mode wants, and the fix for "
+        "what falls short. In a script, print(torchrepro.status()) gives the same table.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = sub.add_parser("env", help="the environment fingerprint, or the diff of two")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -533,6 +542,16 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if report.errors else EXIT_OK
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from torchrepro.flags import status
+
+    report = status()
+    print(json.dumps(report.to_dict(), indent=2) if args.json else str(report))
+    return EXIT_OK
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     import json
 
@@ -612,6 +631,7 @@ _COMMANDS = {
     "compare": _cmd_compare,
     "audit": _cmd_audit,
     "env": _cmd_env,
+    "status": _cmd_status,
 }
 
 

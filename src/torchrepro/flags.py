@@ -414,6 +414,30 @@ class StatusReport:
                 return item
         raise KeyError(f"no status item {name!r}; items: {[i.name for i in self.items]}")
 
+    def __str__(self) -> str:
+        """A table a person reads: one line per setting (ok, name, value, what strict wants), the
+        fix under each one that falls short, and the verdict first.
+
+        >>> print(StatusReport((StatusItem("cudnn.benchmark", True, False, False, "set it off"),), "custom"))
+        determinism: custom switches (not deterministic); process-start settings fixed
+          NO  cudnn.benchmark  True  (strict wants False)
+                               fix: set it off
+        """
+        state = "deterministic" if self.deterministic else "not deterministic"
+        start = "process-start settings fixed" if self.pinned else "process-start settings not fixed"
+        mode = f"{self.mode} mode" if self.mode in MODES else f"{self.mode} switches"
+        lines = [f"determinism: {mode} ({state}); {start}"]
+        width = max((len(item.name) for item in self.items), default=0)
+        for item in self.items:
+            value, wanted = _shown(item.value), _shown(item.wanted)
+            line = f"  {'ok' if item.ok else 'NO':<3} {item.name:<{width}}  {value}"
+            if not item.ok:
+                line += f"  (strict wants {wanted})"
+            lines.append(line)
+            if item.fix:
+                lines.append(f"  {'':<3} {'':<{width}}  fix: {item.fix}")
+        return "\n".join(lines)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict: ``mode``, ``deterministic``, ``pinned`` and every item."""
         return {
@@ -422,6 +446,10 @@ class StatusReport:
             "pinned": self.pinned,
             "items": [item.to_dict() for item in self.items],
         }
+
+
+def _shown(value: JsonValue) -> str:
+    return "unset" if value is None else repr(value) if isinstance(value, str) and not value else str(value)
 
 
 _STRICT_FIX = "call torchrepro.set_determinism('strict')"
