@@ -177,13 +177,9 @@ def run_section(name: str, device: str, quick: bool, scratch: Path) -> tuple[lis
 
 def recheck(rows: list[Row]) -> list[Row]:
     """Work the op table's verdicts out anew against this checkout's table (``--from-json``)."""
-    import importlib
+    from gpu_checks import optable
 
-    try:
-        optable = importlib.import_module("gpu_checks.optable")
-    except ModuleNotFoundError:
-        return rows
-    return list(optable.recheck(rows)) if hasattr(optable, "recheck") else rows
+    return optable.recheck(rows)
 
 
 STATUS_MARK = {"pass": "PASS", "fail": "FAIL", "info": "info", "skip": "skip", "error": "ERROR"}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any
 
-from gpu_checks.common import ChildResult, Context, Row, child_env, run_python
+from gpu_checks.common import ChildResult, Context, Row, run_python
 from gpu_checks.models import MODELS, first_difference
 
 NAME = "bitwise"
@@ -49,9 +49,7 @@ print(json.dumps(out))
 def _one(ctx: Context, mode: str, run: int) -> ChildResult:
     size, steps = ("tiny", 3) if ctx.quick else ("check", 12)
     code = _CHILD.format(mode=mode, size=size, steps=steps, device=ctx.device)
-    run_dir = ctx.workdir / f"{mode}{run}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_python(code, cwd=run_dir, env=child_env(), timeout=240)
+    return run_python(code, cwd=ctx.workdir / f"{mode}{run}", timeout=240)
 
 
 def compare_runs(mode: str, model: str, a: dict[str, Any], b: dict[str, Any], cuda: bool) -> Row:

@@ -91,10 +91,12 @@ def run_python(
     argv_prefix: tuple[str, ...] = (),
     timeout: float = 240,
 ) -> ChildResult:
-    """Run ``code`` in a fresh ``python`` (or ``python -m torchrepro run ...`` via ``argv_prefix``).
+    """Run ``code`` in a fresh ``python`` (or ``python -m torchrepro run ...`` via ``argv_prefix``)
+    in ``cwd`` (made if missing).
 
     The code prints its result as one JSON line last; that line is parsed into ``result``.
     """
+    cwd.mkdir(parents=True, exist_ok=True)
     script = cwd / f"child_{abs(hash(code)) % 10**8}.py"
     script.write_text(textwrap.dedent(code), encoding="utf-8")
     cmd = [sys.executable, *argv_prefix, str(script)]

@@ -133,10 +133,10 @@ def summarise(result: dict[str, Any], cuda: bool) -> list[Row]:
 
 def run(ctx: Context) -> list[Row]:
     size, rounds, warm, timed = ("tiny", 2, 1, 2) if ctx.quick else ("cost", 9, 3, 10)
-    cwd = ctx.workdir / "costs"
-    cwd.mkdir(parents=True, exist_ok=True)
     code = _CHILD.format(device=ctx.device, size=size, rounds=rounds, warm=warm, timed=timed)
-    r = run_python(code, cwd=cwd, env=child_env(CUBLAS_WORKSPACE_CONFIG=":4096:8"), timeout=400)
+    r = run_python(
+        code, cwd=ctx.workdir / "costs", env=child_env(CUBLAS_WORKSPACE_CONFIG=":4096:8"), timeout=400
+    )
     if r.returncode != 0 or not isinstance(r.result, dict):
         return [Row(NAME, "step times of every configuration", "error", f"exit {r.returncode}: {r.tail()}")]
     return summarise(r.result, ctx.cuda)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import sys
 
-from gpu_checks.common import ChildResult, Context, Row, child_env, run_python
+from gpu_checks.common import ChildResult, Context, Row, run_python
 
 NAME = "cublas"
 
@@ -107,10 +107,8 @@ print(json.dumps({{
 
 
 def _child(ctx: Context, name: str, code: str, *, under_run: bool = False) -> ChildResult:
-    cwd = ctx.workdir / name
-    cwd.mkdir(parents=True, exist_ok=True)
     prefix = ("-m", "torchrepro", "run", "--mode", "strict") if under_run else ()
-    return run_python(code, cwd=cwd, env=child_env(), argv_prefix=prefix, timeout=180)
+    return run_python(code, cwd=ctx.workdir / name, argv_prefix=prefix, timeout=180)
 
 
 def too_late_row(ctx: Context, r: ChildResult) -> Row:

@@ -34,7 +34,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import time
@@ -49,7 +48,7 @@ from torch import Tensor
 
 from gpu_checks.common import Context, Row
 from torchrepro._runtime import cuda_started
-from torchrepro.audit.optable import _TABLE_FILE, _Entry, _load_table, _OpTable
+from torchrepro.audit.optable import _Entry, _load_table, _OpTable, _table_data
 from torchrepro.flags import CUBLAS_VAR, DeterminismFlags
 
 NAME = "optable"
@@ -1128,11 +1127,7 @@ class Expectation:
 
 
 # ops whose measured section a public function gets without calling the op ("via" in the table)
-_MEASURED_VIA = {
-    m["op"]: m["via"]
-    for m in json.loads(_TABLE_FILE.read_text(encoding="utf-8")).get("measured", {}).get("ops", ())
-    if "via" in m
-}
+_MEASURED_VIA = {m["op"]: m["via"] for m in _table_data().get("measured", {}).get("ops", ()) if "via" in m}
 
 
 def _entry_for(table: _OpTable, code: str, op: str) -> _Entry | None:

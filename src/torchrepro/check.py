@@ -249,11 +249,15 @@ def check_script(
             layers.close()
 
 
+_OPTED_OUT = "--no-isolate"
+"""The reason of runs not isolated because the user asked (the verdict adds no note for it)."""
+
+
 def _isolation(check_dir: Path, *, enabled: bool) -> tuple[Isolation, Layers | None]:
     """How this check's runs are kept apart, and where their upper layers live."""
     root = os.path.realpath(os.getcwd())
     if not enabled:
-        return Isolation(mode="none", root=root, reason="--no-isolate"), None
+        return Isolation(mode="none", root=root, reason=_OPTED_OUT), None
     layers = Layers.create(check_dir, root)
     if layers is None:
         reason = "no writable directory outside it for the runs' writes"
@@ -295,7 +299,7 @@ def _check(
             run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
     notes = [n for n in [nproc_note(nproc)] if n]
-    if isolation.mode == "none" and isolation.reason != "--no-isolate":
+    if isolation.mode == "none" and isolation.reason != _OPTED_OUT:
         notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
         with terminate_on_signals():
