@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         DataLoaderStateError,
         DeterminismError,
         EnvFileError,
+        InvariantTrainingError,
         LaunchError,
         LoaderConfigError,
         ReproError,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
         status,
     )
     from torchrepro.hashing import fingerprint
+    from torchrepro.invariant import InvariantDataParallel
     from torchrepro.launch import relaunch
     from torchrepro.recorder import record
     from torchrepro.rng import RngState, fork_rng
@@ -60,6 +62,8 @@ __all__ = [
     "DeterminismError",
     "DeterminismFlags",
     "EnvFileError",
+    "InvariantDataParallel",
+    "InvariantTrainingError",
     "LaunchError",
     "LoaderConfigError",
     "ReproError",
@@ -98,6 +102,7 @@ _WHERE = {
             "DataLoaderStateError",
             "DeterminismError",
             "EnvFileError",
+            "InvariantTrainingError",
             "LaunchError",
             "LoaderConfigError",
             "ReproError",
@@ -117,6 +122,7 @@ _WHERE = {
     "RngState": "rng",
     "fork_rng": "rng",
     "SeededLoader": "data",
+    "InvariantDataParallel": "invariant",
     "sample_rng": "data",
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",

@@ -15,6 +15,7 @@ __all__ = [
     "DataLoaderStateError",
     "DeterminismError",
     "EnvFileError",
+    "InvariantTrainingError",
     "LaunchError",
     "LoaderConfigError",
     "ReproError",
@@ -49,6 +50,11 @@ class LoaderConfigError(ReproError, ValueError):
 
 class UnsupportedDatasetError(ReproError, TypeError):
     """The dataset cannot be loaded by ``SeededLoader`` (for example an ``IterableDataset``)."""
+
+
+class InvariantTrainingError(ReproError):
+    """``InvariantDataParallel`` cannot keep the result independent of the world size (a module
+    it cannot order, a micro-batch without its backward, a second backward...)."""
 
 
 class CheckpointError(ReproError):

@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,6 +52,18 @@ _RESTORE_ORDER = ("module", "optimizer", "scheduler", "grad_scaler", "stateful",
 # values are not restored into anything, and a loader normalises its position on load (a finished
 # epoch becomes the start of the next one), so its restored state_dict may differ legitimately.
 _VERIFIED_AS_STORED = ("value", "loader")
+
+
+def _shape_invariant(payload: Mapping[str, Any]) -> bool:
+    """Whether the run that saved ``payload`` trained on global batches (a ``SeededLoader`` with
+    ``global_batch_size`` was saved): its state is the same on every rank and its position a
+    number of global batches, so it resumes on another world size."""
+    return any(
+        entry.get("kind") == "loader"
+        and isinstance(entry.get("state"), Mapping)
+        and isinstance(entry["state"].get("global_batch_size"), int)
+        for entry in payload["objects"].values()
+    )
 
 
 def load_checkpoint(
@@ -90,7 +103,10 @@ def load_checkpoint(
 
     Raises ``CheckpointError`` naming the file and object: unknown names (listing the ones
     present), kind mismatches, corrupt or truncated files, paths that are not readable files,
-    restores that do not reproduce the saved state, a different world size. Warns
+    restores that do not reproduce the saved state, a different world size (unless the run
+    trained on global batches, ``SeededLoader(global_batch_size=...)``: its state is the same on
+    every rank, so every rank then restores rank 0's file, RNG streams included, and the loader
+    continues after the same number of global batches). Warns
     (``ReproWarning``) when the checkpoint was saved in a different environment (torch version,
     devices, determinism switches, threads).
     """
@@ -103,19 +119,33 @@ def load_checkpoint(
     base = Path(path)
     rank, world_size = process_group()
     file = _rank_path(base, rank)
+    read = functools.partial(
+        _read, map_location=map_location, mmap=_MMAP, max_expanded_bytes=max_expanded_bytes
+    )
     if rank > 0 and not file.exists() and base.exists():
-        raise CheckpointError(
-            f"Rank {rank} has no checkpoint file {file} beside {base}: every rank must call "
-            "save_checkpoint(path, ...) with the same path (each saves its own RNG state)."
-        )
-    payload = _read(file, map_location=map_location, mmap=_MMAP, max_expanded_bytes=max_expanded_bytes)
+        payload = read(base)  # saved by fewer ranks: an invariant run may resume from rank 0's file
+        if payload["meta"]["world_size"] == world_size or not _shape_invariant(payload):
+            raise CheckpointError(
+                f"Rank {rank} has no checkpoint file {file} beside {base}: every rank must call "
+                "save_checkpoint(path, ...) with the same path (each saves its own RNG state)."
+            )
+        file = base
+    else:
+        payload = read(file)
     meta, entries = payload["meta"], payload["objects"]
     if meta["world_size"] != world_size:
-        raise CheckpointError(
-            f"Checkpoint {file} was saved by a run with world size {meta['world_size']}; this run has "
-            f"world size {world_size}. Each rank's RNG state is saved per rank, so resume with the same "
-            f"number of processes (e.g. torchrun --nproc-per-node {meta['world_size']})."
-        )
+        if not _shape_invariant(payload):
+            raise CheckpointError(
+                f"Checkpoint {file} was saved by a run with world size {meta['world_size']}; this run has "
+                f"world size {world_size}. Each rank's RNG state is saved per rank, so resume with the same "
+                f"number of processes (e.g. torchrun --nproc-per-node {meta['world_size']}), or train with "
+                "SeededLoader(global_batch_size=...) and InvariantDataParallel, whose checkpoints resume "
+                "on any world size that divides the micro-batch count."
+            )
+        if file != base:  # every rank of an invariant run holds the same state: rank 0's file serves all
+            file = base
+            payload = read(file)
+            meta, entries = payload["meta"], payload["objects"]
 
     for name, obj in objects.items():
         if name not in entries:

@@ -24,6 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import generator_set
 from torchrepro._runtime import process_group
+from torchrepro.data.micro import _MicroBatchSampler
 from torchrepro.data.sampler import _SeededSampler
 from torchrepro.data.view import _SeededCollate, _SeededDataset
 from torchrepro.data.watch import _find_rng_objects
@@ -96,6 +97,33 @@ def _fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | 
             f"world_size={world_size}."
         )
     return rank, world_size
+
+
+def _check_global_batch(global_batch_size: Any, batch_size: int, length: int, drop_last: bool) -> None:
+    """Refuse a ``global_batch_size`` that is not a whole number of micro-batches, or an epoch
+    whose last global batch would be incomplete without ``drop_last``."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}.")
+    if global_batch_size % batch_size:
+        below = global_batch_size - global_batch_size % batch_size
+        raise LoaderConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of batch_size={batch_size} (the "
+            f"micro-batch size): a global batch is a whole number of micro-batches. Use "
+            f"global_batch_size={below or batch_size} or {below + batch_size}, or another batch_size."
+        )
+    rest = length % global_batch_size
+    if rest and not drop_last:
+        raise LoaderConfigError(
+            f"The dataset's {length} samples are not a whole number of global batches of "
+            f"{global_batch_size}: the last would hold {rest} samples, and its mean would have another "
+            "denominator and shape on each world size. Pass drop_last=True to drop those samples "
+            "each epoch (which samples are dropped changes with the epoch's order), or choose a "
+            f"global_batch_size that divides {length}."
+        )
+    if length < global_batch_size:
+        raise LoaderConfigError(
+            f"The dataset has {length} samples, fewer than one global batch of {global_batch_size}."
+        )
 
 
 class _SeededLoaderIter:
@@ -173,6 +201,13 @@ class SeededLoader(DataLoader[Any]):
       with ``__getitems__`` loads whole batches, seeded per batch. In the main process the global
       RNG states are put back after each batch: loading never moves the model's RNG stream.
       CUDA generators are not seeded per sample: draw augmentation randomness on the CPU.
+    - **Global batches** (``global_batch_size=G``): ``batch_size`` is the micro-batch size ``m``
+      and each global batch of the epoch's order is ``V = G // m`` micro-batches; rank ``r`` of
+      ``W`` yields the contiguous block ``[r*V/W, (r+1)*V/W)`` of every global batch, in order
+      (``accumulation_steps`` micro-batches). A micro-batch holds the same samples, loaded the same
+      way, on every world size; with :class:`torchrepro.InvariantDataParallel` the training
+      result is the same bits for any ``W`` dividing ``V``, and a state saved at a global batch
+      boundary resumes on another world size.
     - **Guarantee**: the batches of every epoch are bitwise identical for any ``num_workers``,
       ``persistent_workers``, ``prefetch_factor``, start method and ``pin_memory``.
     - **Resume**: :meth:`state_dict` (JSON) records the position as the batches the training loop
@@ -203,6 +238,7 @@ class SeededLoader(DataLoader[Any]):
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        global_batch_size: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if isinstance(dataset, _SeededDataset):  # rebuilt from another SeededLoader's parts
@@ -260,14 +296,19 @@ class SeededLoader(DataLoader[Any]):
         shard = _fixed_shard(rank, world_size)
 
         collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
-        sampler = _SeededSampler(
-            seed=seed,
-            length=len(dataset),
-            batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            shard=shard,
-        )
+        parts: dict[str, Any] = {
+            "seed": seed,
+            "length": len(dataset),
+            "batch_size": batch_size,
+            "shuffle": shuffle,
+            "drop_last": drop_last,
+            "shard": shard,
+        }
+        if global_batch_size is None:
+            sampler: _SeededSampler = _SeededSampler(**parts)
+        else:
+            _check_global_batch(global_batch_size, batch_size, len(dataset), drop_last)
+            sampler = _MicroBatchSampler(global_batch_size=global_batch_size, **parts)
         # Worker base seeds (DataLoader draws one per iterator) come from this generator, reseeded
         # per pass: iter() never draws from the global torch RNG.
         generator = torch.Generator()
@@ -293,6 +334,28 @@ class SeededLoader(DataLoader[Any]):
     def seed(self) -> int:
         """The seed every order and sample key is derived from."""
         return self._seed
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """The samples of a global batch (``None``: the loader has no global batches)."""
+        sampler = self._seeded_sampler
+        return sampler.global_batch_size if isinstance(sampler, _MicroBatchSampler) else None
+
+    @property
+    def micro_batches(self) -> int:
+        """``V``: the micro-batches of a global batch (``global_batch_size // batch_size``); 1
+        without ``global_batch_size``."""
+        sampler = self._seeded_sampler
+        return sampler.micro_batches if isinstance(sampler, _MicroBatchSampler) else 1
+
+    @property
+    def accumulation_steps(self) -> int:
+        """The micro-batches this rank computes of each global batch: ``V // world_size`` (read
+        from ``torch.distributed`` now, unless ``rank``/``world_size`` were given); 1 without
+        ``global_batch_size``. Raises ``LoaderConfigError`` naming the world sizes that work when
+        the world size does not divide ``V``."""
+        sampler = self._seeded_sampler
+        return sampler.accumulation_steps() if isinstance(sampler, _MicroBatchSampler) else 1
 
     @property
     def source_dataset(self) -> Any:
@@ -345,14 +408,17 @@ class SeededLoader(DataLoader[Any]):
             "shuffle": self._shuffle,
             "rank": rank,
             "world_size": world_size,
+            "global_batch_size": self.global_batch_size,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict``: the next pass starts right after its last received batch.
 
         A finished epoch continues at the next epoch. The rank may differ (every rank is at the
-        same position); a different seed, dataset length, batch size, world size, ``drop_last``
-        or ``shuffle`` raises ``DataLoaderStateError`` naming the mismatch.
+        same position); a different seed, dataset length, batch size, world size, ``drop_last``,
+        ``shuffle`` or ``global_batch_size`` raises ``DataLoaderStateError`` naming the mismatch.
+        With ``global_batch_size`` the world size may differ when the state was saved at a global
+        batch boundary: the position is then a number of whole global batches.
         """
         if not isinstance(state_dict, Mapping):
             raise DataLoaderStateError(
@@ -377,19 +443,27 @@ class SeededLoader(DataLoader[Any]):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise DataLoaderStateError(f"Loader state has {key}={value!r}; expected an int >= 0.")
         expected = self.state_dict()
+        invariant = expected["global_batch_size"] is not None
+        compared: tuple[str, ...] = ("seed", "dataset_length", "batch_size", "drop_last", "shuffle")
+        compared += ("global_batch_size",)
+        if not invariant:
+            compared += ("world_size",)
         mismatches = [
-            f"{key}: state has {state_dict[key]!r}, this loader has {expected[key]!r}"
-            for key in ("seed", "dataset_length", "batch_size", "world_size", "drop_last", "shuffle")
-            if state_dict[key] != expected[key]
+            f"{key}: state has {state_dict.get(key)!r}, this loader has {expected[key]!r}"
+            for key in compared
+            if state_dict.get(key) != expected[key]
         ]
         if mismatches:
             raise DataLoaderStateError(
                 "Loader state does not fit this SeededLoader ("
                 + "; ".join(mismatches)
-                + "). Create the loader with the same dataset, seed, batch_size, drop_last, shuffle "
-                "and world size as the run that saved the state."
+                + "). Create the loader with the same dataset, seed, batch_size, drop_last, shuffle"
+                + (", global_batch_size" if invariant else ", global_batch_size and world size")
+                + " as the run that saved the state."
             )
         batches, num_batches = state_dict["batches_consumed"], len(self)
+        if invariant and state_dict["world_size"] != expected["world_size"]:
+            batches = self._convert_position(batches, state_dict["world_size"], expected["world_size"])
         if batches > num_batches:
             raise DataLoaderStateError(
                 f"Loader state has batches_consumed={batches}, but an epoch of this loader has only "
@@ -407,3 +481,24 @@ class SeededLoader(DataLoader[Any]):
         sampler.epoch, sampler.batches, sampler.finished = epoch, batches, False
         sampler.pending, sampler.restored, sampler.armed, sampler.pass_id = True, True, False, object()
         sampler.restart = False
+
+    def _convert_position(self, batches: int, saved_world: int, world: int) -> int:
+        """The micro-batches a rank of ``world`` has received at the position where a rank of
+        ``saved_world`` had received ``batches``: the same number of whole global batches."""
+        sampler = self._seeded_sampler
+        assert isinstance(sampler, _MicroBatchSampler)
+        if saved_world < 1:
+            raise DataLoaderStateError(f"Loader state has world_size={saved_world}; expected an int >= 1.")
+        try:
+            whole, into = sampler.global_position(batches, saved_world)
+        except LoaderConfigError as e:
+            raise DataLoaderStateError(f"Loader state cannot be placed: {e}") from None
+        if into:
+            raise DataLoaderStateError(
+                f"Loader state was saved {into} micro-batches into global batch {whole} of its epoch, by "
+                f"a run of world size {saved_world}; on world size {world} each rank computes other "
+                "micro-batches of that global batch, so only a state saved at a global batch boundary "
+                "(after the optimizer step) resumes on another world size. Resume on "
+                f"{saved_world} processes, or save after the optimizer step."
+            )
+        return whole * sampler.accumulation_steps(world)
