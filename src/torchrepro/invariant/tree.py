@@ -7,7 +7,7 @@ Invariants:
   therefore one function of the leaves, whoever computes it.
 - Rank ``r`` of ``W`` holds the leaves of its block ``[r*A, (r+1)*A)``. The block splits into the
   few maximal canonical nodes inside it (``pieces``); a rank sums them from its leaves as they
-  arrive (``Accumulator``: a stack, at most about ``log2(A) + 1`` partial sums at once).
+  arrive (``Accumulator``: a stack, at most ``ceil(log2(V)) + 2`` partial sums at once).
 - The nodes above the pieces (those spanning ranks) are evaluated by a reduce along the tree:
   a node's value is computed by the rank owning its first leaf, which receives its right
   child's value from the rank owning that child's first leaf (``schedule``: the same list, in

@@ -3,8 +3,8 @@ micro-batches of 2 samples: by InvariantDataParallel (and its negative controls)
 with DistributedSampler and gradient accumulation.
 
 python train.py OUT.json --mode invariant|nokey|plainsum|ddp --opt sgd|adam [--workers N]
-    [--save DIR] (a checkpoint after every optimizer step) [--resume DIR] (for every checkpoint in
-    DIR: a fresh model resumed from it, trained to the end: the final state of each resume)
+    [--save DIR] (a checkpoint after every optimizer step) [--resume DIR] (after the run, for every
+    checkpoint in DIR: a fresh model resumed from it, trained to the end: the final state of each)
 Works under torchrun (gloo, 1 thread per rank) and as a plain process (no process group).
 Rank 0 writes OUT: the final state's fingerprint on every rank, and per resumed checkpoint.
 """
@@ -139,13 +139,13 @@ def main() -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     result: dict[str, object] = {}
-    if args.resume:
-        checkpoints = sorted(Path(args.resume).glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
-        result["resumed"] = {p.name: gathered(invariant_run(args, p)) for p in checkpoints}
-    elif args.mode == "ddp":
+    if args.mode == "ddp":
         result["final"] = gathered(ddp_run(args))
     else:
         result["final"] = gathered(invariant_run(args))
+    if args.resume:
+        checkpoints = sorted(Path(args.resume).glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+        result["resumed"] = {p.name: gathered(invariant_run(args, p)) for p in checkpoints}
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     if dist.is_initialized():
