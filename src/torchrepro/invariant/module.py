@@ -9,7 +9,7 @@ Invariants:
     from ``derive_seed(seed, "forward", epoch, global batch, micro-batch, call)`` and put back
     afterwards: dropout is keyed by what it is for, never by a stream position;
   - its gradient is computed alone (``.grad`` is empty when its backward starts) and taken out of
-    ``.grad`` when that backward ends, into one flat buffer per (dtype, device);
+    ``.grad`` when that backward ends (no copy: the tensors autograd made become the leaf);
   - the ``V`` gradients are summed in the canonical tree over the global micro-batch index
     (``tree``), within a rank and across ranks, then divided by ``V``: after a rank's last
     micro-batch of a global batch, ``.grad`` holds the global mean, the same bits on every rank
@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ __all__ = ["InvariantDataParallel"]
 
 
 class _Group:
-    """The parameters of one (dtype, device), laid out in one flat buffer."""
+    """The parameters of one (dtype, device): what travels between ranks as one flat buffer."""
 
     __slots__ = ("device", "dtype", "offsets", "params", "total")
 
@@ -55,25 +56,34 @@ class _Group:
             total += p.numel()
         self.total = total
 
-    def take(self, present: list[bool], start: int) -> torch.Tensor:
-        """Move the parameters' ``.grad`` into a new flat buffer (zeros where None); ``.grad`` is
-        left None. ``present[start + i]`` notes which parameters had a gradient."""
-        flat = torch.empty(self.total, dtype=self.dtype, device=self.device)
-        for i, (p, offset) in enumerate(zip(self.params, self.offsets, strict=True)):
+    def take(self, present: list[bool], start: int) -> list[torch.Tensor]:
+        """The parameters' gradients, taken out of ``.grad`` (left None); zeros where None.
+        ``present[start + i]`` notes which parameters had a gradient."""
+        out = []
+        for i, p in enumerate(self.params):
             grad = p.grad
-            part = flat[offset : offset + p.numel()]
             if grad is None:
-                part.zero_()
+                out.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
                 continue
             if grad.is_sparse:
                 raise InvariantTrainingError(
                     "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
                     "and the like); use dense gradients."
                 )
-            part.copy_(grad.reshape(-1))
+            out.append(grad)
             present[start + i] = True
             p.grad = None
-        return flat
+        return out
+
+    def flatten(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer of ``grads`` (this group's), to send as one message."""
+        return torch.cat([g.reshape(-1) for g in grads])
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            flat[offset : offset + p.numel()].view_as(p)
+            for p, offset in zip(self.params, self.offsets, strict=True)
+        ]
 
 
 class InvariantDataParallel(nn.Module):
@@ -147,6 +157,7 @@ class InvariantDataParallel(nn.Module):
         for p in params:
             keyed.setdefault((p.dtype, p.device), []).append(p)
         self._groups = [_Group(ps) for ps in keyed.values()]
+        self._starts = list(itertools.accumulate([len(g.params) for g in self._groups], initial=0))[:-1]
         self._handles = [
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
             for p in params
@@ -252,7 +263,7 @@ class InvariantDataParallel(nn.Module):
         self._current = position
         self._calls = 0
         self._backward_done = False
-        self._norms.begin_micro_batch()
+        self._norms.begin_micro_batch(self._rank_world()[0] * a + k % a)
 
     # -- backward ---------------------------------------------------------------------------
 
@@ -280,10 +291,9 @@ class InvariantDataParallel(nn.Module):
         rank, world = self._rank_world()
         k = self._current[1]
         j = rank * a + k % a
-        leaf, start = [], 0
-        for grp in self._groups:
-            leaf.append(grp.take(self._present, start))
-            start += len(grp.params)
+        leaf: list[torch.Tensor] = []
+        for grp, start in zip(self._groups, self._starts, strict=True):
+            leaf += grp.take(self._present, start)
         self._norms.end_micro_batch()
         self._acc.push(j, leaf)
         self.peak_buffers = max(self.peak_buffers, self._acc.peak)
@@ -301,20 +311,26 @@ class InvariantDataParallel(nn.Module):
             comm = _to_comm(present, self._group)
             dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=self._group)
             present = comm.cpu()
-        start = 0
-        for i, grp in enumerate(self._groups):
-            mine = {node: _to_comm(values[i], self._group) for node, values in pieces.items()}
-            if self._plain_sum:
-                root = _all_reduce_sum(mine, world, self._group).to(grp.device).div_(v)
-            else:
-                root = reduce_pieces(mine, v, world, rank, self._group).to(grp.device).div_(v)
-            for n, (p, offset) in enumerate(zip(grp.params, grp.offsets, strict=True)):
-                if not present[start + n]:
-                    continue
-                grad = root[offset : offset + p.numel()].view_as(p)
+        if world == 1 and not self._plain_sum:
+            (root,) = pieces.values()
+            torch._foreach_div_(root, v)
+        else:
+            root = []
+            for grp, start in zip(self._groups, self._starts, strict=True):
+                end = start + len(grp.params)
+                mine = {
+                    node: _to_comm(grp.flatten(vals[start:end]), self._group) for node, vals in pieces.items()
+                }
+                if self._plain_sum:
+                    flat = _all_reduce_sum(mine, world, self._group)
+                else:
+                    flat = reduce_pieces(mine, v, world, rank, self._group)
+                root += grp.unflatten(flat.to(grp.device).div_(v))
+        params = [p for grp in self._groups for p in grp.params]
+        for n, (p, grad) in enumerate(zip(params, root, strict=True)):
+            if present[n]:
                 carried = self._carry.get(p)
                 p.grad = grad if carried is None else carried + grad
-            start += len(grp.params)
         self._carry = {}
         if self._norms:
             rows = self._norms.local_rows()
@@ -361,8 +377,7 @@ def process_group_of(loader: Any) -> tuple[int, int]:
 
 
 def _add_lists(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
-    for a, b in zip(left, right, strict=True):
-        a.add_(b)
+    torch._foreach_add_(left, right)  # elementwise, one kernel per tensor: the bits of left + right
     return left
 
 

@@ -4,14 +4,13 @@ Invariants:
 - In training, each micro-batch normalises with its own statistics (the module's forward is
   untouched), and those depend only on the micro-batch, which is the same on every world size.
 - The running statistics do not move during a global batch: each micro-batch's forward updates
-  scratch copies of them (swapped in by a pre-hook; the buffers are never changed in place while
-  a graph may hold them), and a hook notes that micro-batch's statistics (mean and unbiased
-  variance over every dimension but the channel, computed here from the input) and puts the
-  buffers back. When the
-  global batch ends, every rank has every micro-batch's statistics (gathered in global
-  micro-batch order) and replays the updates ``running = (1 - m) * running + m * stat`` (or the
-  cumulative average when ``momentum is None``) in that order: the buffers are the same bits on
-  every rank and every world size.
+  scratch buffers that start at zero (swapped in by a pre-hook; the buffers are never changed in
+  place while a graph may hold them), so the kernel leaves in them exactly this micro-batch's
+  share of the update (``momentum * mean``, ``momentum * unbiased var``); a hook notes the shares
+  and puts the buffers back. When the global batch ends, every rank has every micro-batch's
+  shares (gathered in global micro-batch order) and replays ``running = (1 - momentum) * running
+  + share`` (the cumulative average when ``momentum is None``) in that order: the buffers are the
+  same bits on every rank and every world size.
 - Any other buffer must not change during training: its version counter is checked at the end of
   each global batch, and a module whose buffer changed is refused by name. ``SyncBatchNorm`` (its
   statistics span ranks) and instance norms tracking running statistics are refused up front.
@@ -26,7 +25,7 @@ from torch import nn
 
 from torchrepro.errors import InvariantTrainingError
 
-_STAT_DTYPE = torch.float64  # statistics travel and are kept in float64: float32 round-trips exactly
+_STAT_DTYPE = torch.float64  # shares travel in float64: float32 and bfloat16 round-trip exactly
 
 
 def refused_modules(module: nn.Module) -> list[str]:
@@ -90,50 +89,55 @@ class NormStats:
         self._rows = []
         self._versions = [buf._version for _, buf in self._still]
 
-    def begin_micro_batch(self) -> None:
+    def begin_micro_batch(self, index: int) -> None:
+        """Micro-batch ``index`` (of its global batch, ``0 <= index < V``) begins."""
         if self._norms:
             self._row: list[torch.Tensor] = []
+            self._index = index
 
     def end_micro_batch(self) -> None:
         """Close this micro-batch's row: every tracked BatchNorm must have run once in it."""
         if not self._norms:
             return
         row = self._row
-        if len(row) != len(self._norms):
+        if len(row) != 2 * len(self._norms):
             raise InvariantTrainingError(
-                "InvariantDataParallel: a BatchNorm module ran "
-                f"{len(row)} times for {len(self._norms)} tracked modules in one micro-batch; each "
+                "InvariantDataParallel: the BatchNorm modules ran "
+                f"{len(row) // 2} times in one micro-batch, for {len(self._norms)} modules; each "
                 "BatchNorm must run exactly once per micro-batch in training (its running statistics "
                 "are replayed in global order). Call a shared BatchNorm once, or put it in eval mode."
             )
-        self._rows.append(torch.cat(row))
+        self._rows.append(torch.cat([t.to(_STAT_DTYPE).reshape(-1).cpu() for t in row]))
 
     def _before(self, sub: nn.Module, args: Any) -> None:
         if not (self.active and sub.training):
             return
-        # The forward updates scratch copies (which its backward may keep); the buffers are put
-        # back untouched after it, so no tensor a graph saved is ever changed in place.
-        originals = {}
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            buf = getattr(sub, name)
-            if buf is not None:
-                originals[name] = buf
-                setattr(sub, name, buf.detach().clone())
+        assert isinstance(sub, nn.modules.batchnorm._BatchNorm)
+        # The forward updates scratch buffers that start at zero: it leaves in them exactly its
+        # own share of the update (``momentum * mean``, ``momentum * unbiased var``), computed by
+        # the BatchNorm kernel itself. The buffers are put back untouched after the forward (and
+        # never changed in place while a graph may hold them). ``num_batches_tracked`` starts at
+        # the count this micro-batch has in global order, so ``momentum=None`` (the cumulative
+        # average) weighs it as a sequential run would.
+        rm, rv, tracked = sub.running_mean, sub.running_var, sub.num_batches_tracked
+        assert rm is not None and rv is not None
+        originals = {"running_mean": rm, "running_var": rv}
+        sub.running_mean, sub.running_var = torch.zeros_like(rm), torch.zeros_like(rv)
+        if tracked is not None:
+            originals["num_batches_tracked"] = tracked
+            sub.num_batches_tracked = tracked.detach() + self._index
         self._saved[id(sub)] = originals
 
     def _after(self, sub: nn.Module, args: Any, output: Any) -> None:
         originals = self._saved.pop(id(sub), None)
         if originals is None:
             return
+        assert isinstance(sub, nn.modules.batchnorm._BatchNorm)
+        shares = sub.running_mean, sub.running_var
+        assert shares[0] is not None and shares[1] is not None
+        self._row += [shares[0].detach(), shares[1].detach()]
         for name, buf in originals.items():
             setattr(sub, name, buf)
-        x = args[0].detach()
-        dims = [d for d in range(x.dim()) if d != 1]
-        with torch.no_grad():
-            xs = x.to(_STAT_DTYPE)
-            mean = xs.mean(dim=dims)
-            var = xs.var(dim=dims, unbiased=True)
-        self._row.append(torch.cat([mean.reshape(-1).cpu(), var.reshape(-1).cpu()]))
 
     # -- at the end of a global batch -------------------------------------------------------
 
@@ -145,26 +149,26 @@ class NormStats:
 
     def replay(self, rows: torch.Tensor) -> None:
         """Apply the updates of every micro-batch of the global batch (``rows``: ``[V, width]``
-        in global micro-batch order) to the running statistics, in that order."""
+        in global micro-batch order) to the running statistics, in that order:
+        ``running = (1 - momentum) * running + share``, the kernel's own update."""
         with torch.no_grad():
             for row in rows:
                 offset = 0
                 for _, sub in self._norms:
                     c = sub.num_features
-                    mean, var = row[offset : offset + c], row[offset + c : offset + 2 * c]
-                    offset += 2 * c
                     rm, rv = sub.running_mean, sub.running_var
                     assert rm is not None and rv is not None
+                    mean_share = row[offset : offset + c].to(rm.dtype).to(rm.device)
+                    var_share = row[offset + c : offset + 2 * c].to(rv.dtype).to(rv.device)
+                    offset += 2 * c
                     if sub.num_batches_tracked is not None:
                         sub.num_batches_tracked.add_(1)
                     if sub.momentum is None:
-                        factor = 1.0 / float(sub.num_batches_tracked)  # type: ignore[arg-type]
+                        keep = 1.0 - 1.0 / float(sub.num_batches_tracked)  # type: ignore[arg-type]
                     else:
-                        factor = float(sub.momentum)
-                    new_mean = rm.to(_STAT_DTYPE) * (1.0 - factor) + mean.to(rm.device) * factor
-                    new_var = rv.to(_STAT_DTYPE) * (1.0 - factor) + var.to(rv.device) * factor
-                    rm.copy_(new_mean)
-                    rv.copy_(new_var)
+                        keep = 1.0 - float(sub.momentum)
+                    rm.mul_(keep).add_(mean_share)
+                    rv.mul_(keep).add_(var_share)
 
     def check_still(self) -> None:
         """Refuse a buffer (not a BatchNorm's running statistics) that changed this global batch."""

@@ -15,7 +15,8 @@ Invariants:
   that one order, so the point-to-point exchanges cannot deadlock). Rank 0 ends with the root
   and broadcasts it. A rank sends each of its pieces at most once and receives at most one
   value per tree level: bandwidth per rank is a few gradient copies, not the ``W`` copies an
-  all-gather of every piece would cost.
+  all-gather of every piece would cost. With two ranks each holds one child of the root: they
+  exchange them (one all-gather) and both add, one transfer instead of a send and a broadcast.
 - Pure index arithmetic lives here; only ``reduce_pieces`` talks to ``torch.distributed``.
 """
 
@@ -151,6 +152,11 @@ def reduce_pieces(mine: dict[Node, Any], v: int, w: int, rank: int, group: Any =
         return root
     import torch.distributed as dist
 
+    if w == 2:  # each rank holds one child of the root: exchange them, both add (one transfer)
+        (value,) = mine.values()
+        halves = [value.new_empty(value.shape) for _ in range(2)]
+        dist.all_gather(halves, value, group=group)
+        return halves[0].add_(halves[1])
     values = dict(mine)
     template = next(iter(values.values()))
     for node, left_owner, right_owner in schedule(v, w):
