@@ -116,13 +116,15 @@ def child(kind: str, rounds: int, steps: int) -> None:
     if rank == 0:
         params = sum(p.numel() * p.element_size() for p in net_i.parameters())
         d, i = statistics.median(ddp_times), statistics.median(inv_times)
+        shape = f"{kind:4} W={world} V={V} micro={MICRO} accumulation={accumulation}"
         print(
-            f"{kind:4} W={world} V={V} micro={MICRO} accumulation={accumulation}: DDP {d * 1e3:8.2f} ms/step, "
-            f"invariant {i * 1e3:8.2f} ms/step, ratio {i / d:.2f}x (target <= 1.3x); extra gradient "
-            f"buffers held at once: {inv.peak_buffers} x {params / 2**20:.2f} MiB (log2(V) = {V.bit_length() - 1})"
+            f"{shape}: DDP {d * 1e3:8.2f} ms/step, invariant {i * 1e3:8.2f} ms/step, ratio {i / d:.2f}x "
+            f"(target <= 1.3x); extra gradient buffers held at once: {inv.peak_buffers} x "
+            f"{params / 2**20:.2f} MiB (log2(V) = {V.bit_length() - 1})"
         )
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's teardown may abort a rank whose peers left first; the figures are printed
 
 
 def main() -> None:
