@@ -22,7 +22,7 @@ if TYPE_CHECKING:
         save_checkpoint,
         wait_for_checkpoints,
     )
-    from torchrepro.data import SeededLoader, sample_rng
+    from torchrepro.data import SeededLoader, ShardedDataset, sample_rng
     from torchrepro.env import EnvDifference, Environment, collect_env, diff_env, load_env  # noqa: F401
     from torchrepro.errors import (
         CheckpointError,
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
         ReproWarning,
         RngStateError,
         SettingsError,
+        ShardReadError,
         TraceError,
         UnsupportedDatasetError,
     )
@@ -72,6 +73,8 @@ __all__ = [
     "RngStateError",
     "SeededLoader",
     "SettingsError",
+    "ShardReadError",
+    "ShardedDataset",
     "TraceError",
     "UnsupportedDatasetError",
     "compare_traces",
@@ -109,6 +112,7 @@ _WHERE = {
             "ReproWarning",
             "RngStateError",
             "SettingsError",
+            "ShardReadError",
             "TraceError",
             "UnsupportedDatasetError",
         ],
@@ -122,6 +126,7 @@ _WHERE = {
     "RngState": "rng",
     "fork_rng": "rng",
     "SeededLoader": "data",
+    "ShardedDataset": "data",
     "InvariantDataParallel": "invariant",
     "sample_rng": "data",
     "latest_checkpoint": "checkpoint",

@@ -22,6 +22,7 @@ __all__ = [
     "ReproWarning",
     "RngStateError",
     "SettingsError",
+    "ShardReadError",
     "TraceError",
     "UnsupportedDatasetError",
     "warn_once",
@@ -55,6 +56,10 @@ class UnsupportedDatasetError(ReproError, TypeError):
 class InvariantTrainingError(ReproError):
     """``InvariantDataParallel`` cannot keep the result independent of the world size (a module
     it cannot order, a micro-batch without its backward, a second backward...)."""
+
+
+class ShardReadError(ReproError):
+    """A shard of a ``ShardedDataset`` failed to open or to read (the message names it)."""
 
 
 class CheckpointError(ReproError):

@@ -313,7 +313,7 @@ def test_seed_defaults_to_seed_everything(monkeypatch: pytest.MonkeyPatch) -> No
         ({"rank": 0}, LoaderConfigError, "pass both"),
         ({"rank": 2, "world_size": 2}, ValueError, "0 <= rank < world_size"),
         ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64 - 1\]"),
-        ({"dataset": Stream()}, UnsupportedDatasetError, "map-style datasets.*IterableDataset Stream"),
+        ({"dataset": Stream()}, UnsupportedDatasetError, "IterableDataset Stream.*torchrepro.ShardedDataset"),
         ({"dataset": 5}, UnsupportedDatasetError, "__getitem__ and __len__"),
     ],
 )

@@ -14,7 +14,10 @@ Invariants:
   owns, its state), ``sampler`` (order, shards, position), ``keys`` (the sample key samplers yield
   and the view loads), ``view`` (the seeding dataset view, its collate wrapper, ``sample_rng``),
   ``watch`` (which global RNGs a dataset draws from, the RNG objects it holds), ``rawrng`` (global
-  RNG states read and written in interpreter memory, ``set_raw_access``). Submodules load lazily
+  RNG states read and written in interpreter memory, ``set_raw_access``), ``micro`` (the sampler of
+  global batches' micro-batches), ``sharded`` (``ShardedDataset``: shards read seeded per sample),
+  ``shuffle`` (the keyed shuffle buffer and its replay), ``streaming`` (``SeededLoader`` over a
+  ``ShardedDataset``). Submodules load lazily
   on first use of a public name: importing this package imports none of them.
 """
 
@@ -27,12 +30,16 @@ from torchrepro._lazy import lazy_exports
 if TYPE_CHECKING:
     from torchrepro.data.loader import STATE_VERSION, LoaderConfigError, SeededLoader, UnsupportedDatasetError
     from torchrepro.data.rawrng import raw_access, set_raw_access
+    from torchrepro.data.sharded import ShardedDataset
+    from torchrepro.data.streaming import StreamingLoader
     from torchrepro.data.view import sample_rng
 
 __all__ = [
     "STATE_VERSION",
     "LoaderConfigError",
     "SeededLoader",
+    "ShardedDataset",
+    "StreamingLoader",
     "UnsupportedDatasetError",
     "raw_access",
     "sample_rng",
@@ -43,6 +50,8 @@ _WHERE = {
     "STATE_VERSION": "loader",
     "LoaderConfigError": "loader",
     "SeededLoader": "loader",
+    "ShardedDataset": "streaming",  # importing it there makes SeededLoader stream it
+    "StreamingLoader": "streaming",
     "UnsupportedDatasetError": "loader",
     "raw_access": "rawrng",
     "sample_rng": "view",

@@ -126,6 +126,47 @@ def _check_global_batch(global_batch_size: Any, batch_size: int, length: int, dr
         )
 
 
+def _checked_arguments(
+    batch_size: Any, shuffle: Any, drop_last: Any, seed: Any, kwargs: dict[str, Any]
+) -> int:
+    """Check what every SeededLoader takes (the ``DataLoader`` arguments it owns are refused and
+    dropped from ``kwargs``); the seed to use."""
+    if isinstance(kwargs.get("sampler"), DistributedSampler):
+        raise LoaderConfigError(
+            "SeededLoader does not accept sampler=DistributedSampler(...): it gives each rank its "
+            "own shard itself (rank and world size from torch.distributed when each pass starts, "
+            "or rank=/world_size=), and its own sampler is a DistributedSampler, which Lightning's "
+            "use_distributed_sampler=True keeps. If a framework injected this sampler, turn that "
+            "off (Lightning: Trainer(use_distributed_sampler=False)) or pass the SeededLoader as "
+            "it is."
+        )
+    for name, why in _OWNED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise LoaderConfigError(f"SeededLoader does not accept {name}=. {why}")
+        kwargs.pop(name, None)
+    if kwargs.get("in_order", True) is not True:
+        raise LoaderConfigError(
+            "SeededLoader needs in_order=True: with in_order=False batches arrive in the order "
+            "workers finish them, so the batch order would depend on timing and num_workers."
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(
+            f"SeededLoader needs batch_size to be a positive int, got {batch_size!r}; "
+            "(batch_size=None, no batching, is not supported: use batch_size=1)."
+        )
+    for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}.")
+    if seed is None:
+        seed = current_seed()
+        if seed is None:
+            raise LoaderConfigError(
+                "SeededLoader has no seed: pass seed=<int>, or call "
+                "torchrepro.seed_everything(<int>) before creating the loader."
+            )
+    return validate_seed(seed)
+
+
 class _SeededLoaderIter:
     """One pass of a ``SeededLoader``: counts the batches the training loop receives.
 
@@ -151,8 +192,12 @@ class _SeededLoaderIter:
         sampler.armed = True
         assert loader.generator is not None
         loader.generator.manual_seed(derive_seed(loader.seed, "workers", sampler.epoch))
-        self._inner = inner = DataLoader.__iter__(loader)
+        self._inner = inner = self._batches()
         return inner
+
+    def _batches(self) -> Iterator[Any]:
+        """The batches of the pass just begun, from its first one not yet received."""
+        return DataLoader.__iter__(self._loader)
 
     def __next__(self) -> Any:
         inner = self._inner if self._inner is not None else self._begin()
@@ -177,6 +222,7 @@ class _SeededLoaderIter:
 
 
 class SeededLoader(DataLoader[Any]):
+    # ``SeededLoader(ShardedDataset(...), ...)`` is a ``StreamingLoader`` (``data.streaming``).
     """A ``torch.utils.data.DataLoader`` whose batches depend only on ``(seed, epoch)``.
 
     - **Order**: epoch ``e`` is a permutation drawn from the loader's own generator seeded with
@@ -227,6 +273,15 @@ class SeededLoader(DataLoader[Any]):
     (0, 3)
     """
 
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> SeededLoader:
+        # A dataset names the loader class that loads it (``ShardedDataset._tr_loader`` is
+        # ``StreamingLoader``, set when ``data.streaming`` is imported, as ``torchrepro.ShardedDataset``
+        # does): this module imports neither.
+        loader_class = getattr(type(dataset), "_tr_loader", None)
+        if cls is SeededLoader and isinstance(loader_class, type) and issubclass(loader_class, SeededLoader):
+            return super().__new__(loader_class)
+        return super().__new__(cls)
+
     def __init__(
         self,
         dataset: Any,
@@ -247,10 +302,12 @@ class SeededLoader(DataLoader[Any]):
         _drop_own_parts(dataloader_kwargs)
         if isinstance(dataset, IterableDataset):
             raise UnsupportedDatasetError(
-                f"SeededLoader supports map-style datasets (with __getitem__ and __len__), got the "
-                f"IterableDataset {type(dataset).__name__}: its order and randomness live inside "
-                "its __iter__, where they cannot be keyed by index, skipped by index on resume, or "
-                "made independent of num_workers. Use a map-style Dataset, or a plain DataLoader."
+                f"SeededLoader got the IterableDataset {type(dataset).__name__}: its order and "
+                "randomness live inside its __iter__, where they cannot be keyed by sample, resumed "
+                "by position, or made independent of num_workers and the world size. Stream it as "
+                "torchrepro.ShardedDataset(shards, read_shard) (read_shard(shard) yields one shard's "
+                "samples; Hugging Face streaming: ShardedDataset.from_hf(ds)), or use a map-style "
+                "Dataset."
             )
         if not callable(getattr(dataset, "__getitem__", None)) or not callable(
             getattr(dataset, "__len__", None)
@@ -259,40 +316,12 @@ class SeededLoader(DataLoader[Any]):
                 f"SeededLoader needs a map-style dataset with __getitem__ and __len__, got "
                 f"{type(dataset).__name__}."
             )
-        if isinstance(dataloader_kwargs.get("sampler"), DistributedSampler):
+        seed = _checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
+        if "shuffle_buffer" in dataloader_kwargs:
             raise LoaderConfigError(
-                "SeededLoader does not accept sampler=DistributedSampler(...): it gives each rank its "
-                "own shard itself (rank and world size from torch.distributed when each pass starts, "
-                "or rank=/world_size=), and its own sampler is a DistributedSampler, which Lightning's "
-                "use_distributed_sampler=True keeps. If a framework injected this sampler, turn that "
-                "off (Lightning: Trainer(use_distributed_sampler=False)) or pass the SeededLoader as "
-                "it is."
+                "shuffle_buffer= is for streamed data (a torchrepro.ShardedDataset); a map-style "
+                "dataset is shuffled whole each epoch (shuffle=True)."
             )
-        for name, why in _OWNED_KWARGS.items():
-            if dataloader_kwargs.get(name) is not None:
-                raise LoaderConfigError(f"SeededLoader does not accept {name}=. {why}")
-            dataloader_kwargs.pop(name, None)
-        if dataloader_kwargs.get("in_order", True) is not True:
-            raise LoaderConfigError(
-                "SeededLoader needs in_order=True: with in_order=False batches arrive in the order "
-                "workers finish them, so the batch order would depend on timing and num_workers."
-            )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(
-                f"SeededLoader needs batch_size to be a positive int, got {batch_size!r}; "
-                "(batch_size=None, no batching, is not supported: use batch_size=1)."
-            )
-        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} {flag!r}.")
-        if seed is None:
-            seed = current_seed()
-            if seed is None:
-                raise LoaderConfigError(
-                    "SeededLoader has no seed: pass seed=<int>, or call "
-                    "torchrepro.seed_everything(<int>) before creating the loader."
-                )
-        seed = validate_seed(seed)
         shard = _fixed_shard(rank, world_size)
 
         collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
@@ -477,10 +506,7 @@ class SeededLoader(DataLoader[Any]):
             epoch, batches = epoch + 1, 0
         # Saved inside a pass (even after its last batch): the rest of that epoch comes first, so
         # the code after the loop's inner `for` runs once, as it did in the saved run.
-        sampler = self._seeded_sampler
-        sampler.epoch, sampler.batches, sampler.finished = epoch, batches, False
-        sampler.pending, sampler.restored, sampler.armed, sampler.pass_id = True, True, False, object()
-        sampler.restart = False
+        self._seeded_sampler.restore(epoch, batches)
 
     def _convert_position(self, batches: int, saved_world: int, world: int) -> int:
         """The micro-batches a rank of ``world`` has received at the position where a rank of

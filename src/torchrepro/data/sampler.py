@@ -30,7 +30,65 @@ from torchrepro.errors import LoaderConfigError
 from torchrepro.seeding import derive_seed
 
 
-class _SeededSampler(DistributedSampler[_SampleKey]):
+class _Position:
+    """Where a loader is: the epoch of the current pass, the batches of it the training loop
+    received, and whether the pass ended (its iterator was exhausted).
+
+    ``pending`` means the next pass continues that position instead of starting the next epoch.
+    A pass the loader itself began is *armed* (the loader chose where it starts and counts the
+    batches it delivers); ``pass_id`` tells a pass's bookkeeping from a later pass's.
+    """
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.batches = 0
+        self.finished = False
+        self.pending = True
+        self.restored = False  # the position came from load_state_dict; no pass has started since
+        self.restart = False  # set_epoch(current epoch) during a pass: the next pass restarts it
+        self.armed = False
+        self.pass_id: object = object()
+
+    def restore(self, epoch: int, batches: int) -> None:
+        """Continue at ``batches`` into ``epoch`` (``load_state_dict``)."""
+        self.epoch, self.batches, self.finished = epoch, batches, False
+        self.pending, self.restored, self.armed, self.pass_id = True, True, False, object()
+        self.restart = False
+
+    def begin_pass(self) -> int:
+        """Start a pass: the next epoch unless a position is pending (or the current epoch again
+        after ``set_epoch`` during a pass); returns its first batch."""
+        if self.restart:
+            self.batches, self.finished = 0, False
+        elif not self.pending:
+            self.epoch, self.batches, self.finished = self.epoch + 1, 0, False
+        self.pending = self.restored = self.restart = False
+        self.pass_id = object()
+        return self.batches
+
+    def end_pass(self) -> None:
+        self.finished, self.restart = True, False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch``, from its first batch. Two exceptions keep a position:
+        a position ``load_state_dict`` restored inside epoch ``epoch`` (no pass started since) is
+        continued, and a pass of epoch ``epoch`` under way goes on counting (frameworks call
+        ``set_epoch`` after their first fetch); a pass started after it restarts the epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
+        if epoch == self.epoch and not self.pending and not self.finished:
+            self.restart = True  # under way: leave it; the next pass starts this epoch again
+            return
+        if not (self.restored and epoch == self.epoch):
+            self.epoch, self.batches, self.finished = epoch, 0, False
+            self.restored = False
+        self.pending = True
+        self.restart = False
+        self.armed = False
+        self.pass_id = object()
+
+
+class _SeededSampler(_Position, DistributedSampler[_SampleKey]):
     """Yields the sample keys of this rank's shard of one epoch, and holds the position.
 
     A ``DistributedSampler`` (frameworks that replace a loader's sampler with a distributed one,
@@ -65,14 +123,7 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.fixed_shard = shard
-        self.epoch = 0
-        self.batches = 0
-        self.finished = False
-        self.pending = True
-        self.restored = False  # the position came from load_state_dict; no pass has started since
-        self.restart = False  # set_epoch(current epoch) during a pass: the next pass restarts it
-        self.armed = False
-        self.pass_id: object = object()
+        _Position.__init__(self)
 
     # DistributedSampler's attributes, read now (they follow the process group).
     @property
@@ -123,40 +174,6 @@ class _SeededSampler(DistributedSampler[_SampleKey]):
         if padding > 0 and indices:
             indices += (indices * math.ceil(padding / len(indices)))[:padding]
         return indices[rank:total_size:world_size]
-
-    # -- position ---------------------------------------------------------------------------
-
-    def begin_pass(self) -> int:
-        """Start a pass: the next epoch unless a position is pending (or the current epoch again
-        after ``set_epoch`` during a pass); returns its first batch."""
-        if self.restart:
-            self.batches, self.finished = 0, False
-        elif not self.pending:
-            self.epoch, self.batches, self.finished = self.epoch + 1, 0, False
-        self.pending = self.restored = self.restart = False
-        self.pass_id = object()
-        return self.batches
-
-    def end_pass(self) -> None:
-        self.finished, self.restart = True, False
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch``, from its first batch. Two exceptions keep a position:
-        a position ``load_state_dict`` restored inside epoch ``epoch`` (no pass started since) is
-        continued, and a pass of epoch ``epoch`` under way goes on counting (frameworks call
-        ``set_epoch`` after their first fetch); a pass started after it restarts the epoch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}.")
-        if epoch == self.epoch and not self.pending and not self.finished:
-            self.restart = True  # under way: leave it; the next pass starts this epoch again
-            return
-        if not (self.restored and epoch == self.epoch):
-            self.epoch, self.batches, self.finished = epoch, 0, False
-            self.restored = False
-        self.pending = True
-        self.restart = False
-        self.armed = False
-        self.pass_id = object()
 
     def __iter__(self) -> Iterator[_SampleKey]:
         if self.armed:  # SeededLoader.__iter__ began this pass and counts what it delivers

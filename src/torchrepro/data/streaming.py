@@ -1,0 +1,444 @@
+"""``SeededLoader`` over a ``ShardedDataset``: a stream whose order and draws depend on (seed, epoch) only.
+
+Invariants:
+- The global sequence of an epoch: the shards in the order ``derive_seed(seed, "shards", e)``
+  draws (their list order with ``shuffle=False``), read one after another, through the shuffle
+  buffer keyed by (seed, epoch, output position) (``shuffle``). Every sample is read seeded by
+  its own key (``sharded``). Nothing in it depends on ``num_workers``, persistent workers or the
+  world size.
+- Workers read whole shards (a task is a shard from an offset, loaded by the inner
+  ``DataLoader`` in order); the main process keeps the buffer, cuts the sequence into steps and
+  collates this rank's part, seeded from ``derive_seed(seed, "batch", e, global batch index)``.
+  A step is ``batch_size * world_size`` samples, rank ``r`` taking the ``r``-th ``batch_size``
+  of it; with ``global_batch_size`` a step is a global batch and rank ``r`` takes its block of
+  micro-batches, as for a map-style dataset. Every rank reads every shard (the stream decides
+  which samples a rank gets only after they are read).
+- The position is a number of samples of the global sequence (whole steps), plus the lengths of
+  the shards read in the epoch: a resume replays the shuffle on sample ids, loads only the shards
+  still holding buffered samples (from the first one needed, ``read_shard(shard, start)`` when
+  the function takes it) and the shards after, and continues, on any worker count, and on any
+  world size whose step divides the position.
+- In the main process the global RNG states are put back after each shard and each batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler, default_collate
+
+from torchrepro._compat import numpy_or_none
+from torchrepro._runtime import process_group
+from torchrepro.data.loader import (
+    _OWN_GENERATORS,
+    STATE_VERSION,
+    SeededLoader,
+    _checked_arguments,
+    _fixed_shard,
+    _SeededLoaderIter,
+)
+from torchrepro.data.micro import divisors
+from torchrepro.data.rawrng import _numpy_mt, _python_mt
+from torchrepro.data.sampler import _Position
+from torchrepro.data.sharded import _TASK_MARK, ShardedDataset, _as_is, _ShardTasks, _Task
+from torchrepro.data.shuffle import replay
+from torchrepro.data.view import _active
+from torchrepro.errors import DataLoaderStateError, LoaderConfigError
+from torchrepro.seeding import _Deriver, derive_seed, sample_seeder
+
+__all__ = ["DEFAULT_SHUFFLE_BUFFER", "ShardedDataset", "StreamingLoader"]
+
+DEFAULT_SHUFFLE_BUFFER = 1000
+"""Samples the shuffle buffer holds when ``shuffle=True`` and no ``shuffle_buffer`` is given."""
+
+
+class _StreamSampler(_Position, Sampler[_Task]):
+    """The position of a streaming loader, and the shard tasks of the pass under way."""
+
+    def __init__(self, shard: tuple[int, int] | None) -> None:
+        _Position.__init__(self)
+        self.fixed_shard = shard
+        self.tasks: list[_Task] = []
+        self.lengths: dict[int, int] = {}  # shard index -> length, in `lengths_epoch`
+        self.lengths_epoch = 0
+
+    def __iter__(self) -> Iterator[_Task]:
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+
+class StreamingLoader(SeededLoader):
+    """``SeededLoader(ShardedDataset(...), batch_size=..., seed=..., shuffle_buffer=N)``.
+
+    The samples of epoch ``e`` come in one global sequence, a function of (seed, epoch) only:
+    the shards in an order drawn from (seed, e) (list order with ``shuffle=False``), read one
+    after another, through a shuffle buffer of ``shuffle_buffer`` samples (default
+    ``DEFAULT_SHUFFLE_BUFFER`` with ``shuffle=True``, none with ``shuffle=False``) whose draws
+    are keyed by (seed, e, position). Each sample is read with the global RNGs seeded from
+    (seed, e, shard, offset) and ``sample_rng()`` keyed the same; ``collate_fn`` runs seeded
+    per batch. The sequence and every draw are the same for any ``num_workers``, persistent
+    workers or not, and any world size: each rank takes its ``batch_size`` of every
+    ``batch_size * world_size`` samples (with ``global_batch_size``: its micro-batches of every
+    global batch, which then needs ``drop_last=True``). The last incomplete step is dropped with
+    ``drop_last``, else split over the ranks, padded by repeating its own samples.
+
+    ``state_dict()`` holds the position (samples of the global sequence, and the lengths of the
+    shards read this epoch), never the buffer's contents; ``load_state_dict`` resumes on another
+    ``num_workers``, or another world size when its step divides the position, reading only the
+    shards that still hold samples. The loader has no length (``len()`` raises ``TypeError``).
+    """
+
+    def __init__(
+        self,
+        dataset: ShardedDataset,
+        *,
+        batch_size: int,
+        seed: int | None = None,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        global_batch_size: int | None = None,
+        shuffle_buffer: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        seed = _checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
+        if shuffle_buffer is None:
+            shuffle_buffer = DEFAULT_SHUFFLE_BUFFER if shuffle else 1
+        elif isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be a positive int (samples held), got {shuffle_buffer!r}.")
+        elif not shuffle and shuffle_buffer > 1:
+            raise LoaderConfigError(
+                f"shuffle=False keeps the stream's order, but shuffle_buffer={shuffle_buffer} would shuffle "
+                "it: drop one of them."
+            )
+        if global_batch_size is not None:
+            if (
+                isinstance(global_batch_size, bool)
+                or not isinstance(global_batch_size, int)
+                or global_batch_size < 1
+            ):
+                raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}.")
+            if global_batch_size % batch_size:
+                raise LoaderConfigError(
+                    f"global_batch_size={global_batch_size} is not a multiple of batch_size={batch_size} "
+                    "(the micro-batch size): a global batch is a whole number of micro-batches."
+                )
+            if not drop_last:
+                raise LoaderConfigError(
+                    "A stream's length is unknown until it ends, so its last global batch may be "
+                    "incomplete, and its mean would have another denominator and shape on each world "
+                    "size: pass drop_last=True with global_batch_size (the incomplete global batch at "
+                    "the end of each epoch is dropped)."
+                )
+        sampler = _StreamSampler(_fixed_shard(rank, world_size))
+        collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(seed, "workers", 0))
+        _OWN_GENERATORS.add(generator)
+        DataLoader.__init__(
+            self,
+            _ShardTasks(dataset, seed),
+            batch_size=None,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=_as_is,
+            generator=generator,
+            **dataloader_kwargs,
+        )
+        # What the loop sees: the batches this loader builds (the inner loader moves shards).
+        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "drop_last", drop_last)
+        self._seed = seed
+        self._shuffle = shuffle
+        self._seeded_sampler = sampler  # type: ignore[assignment]
+        self._stream = dataset
+        self._collate = collate_fn
+        self._buffer_size = shuffle_buffer
+        self._global = global_batch_size
+
+    # -- shape ------------------------------------------------------------------------------
+
+    @property
+    def source_dataset(self) -> ShardedDataset:
+        return self._stream
+
+    @property
+    def shuffle_buffer(self) -> int:
+        return self._buffer_size
+
+    @property
+    def global_batch_size(self) -> int | None:
+        return self._global
+
+    @property
+    def micro_batches(self) -> int:
+        return 1 if self._global is None else self._global // self._batch_size
+
+    @property
+    def _batch_size(self) -> int:
+        size = self.batch_size
+        assert size is not None
+        return size
+
+    @property
+    def accumulation_steps(self) -> int:
+        return self._per_step(process_group(self._seeded_sampler.fixed_shard)[1])
+
+    def _per_step(self, world_size: int) -> int:
+        """The batches a rank gets of each step: 1, or its micro-batches of a global batch."""
+        if self._global is None:
+            return 1
+        v = self.micro_batches
+        if v % world_size:
+            fits = ", ".join(str(d) for d in divisors(v))
+            raise LoaderConfigError(
+                f"SeededLoader(global_batch_size={self._global}, batch_size={self._batch_size}) has {v} "
+                f"micro-batches per global batch, which {world_size} processes cannot share evenly. "
+                f"World sizes that work: {fits}."
+            )
+        return v // world_size
+
+    def _step(self, world_size: int) -> int:
+        """Samples of the global sequence one step consumes on ``world_size`` ranks."""
+        return self._global if self._global is not None else self._batch_size * world_size
+
+    def __len__(self) -> int:
+        raise TypeError(
+            "A streamed SeededLoader has no length: its shards' lengths are known only once read."
+        )
+
+    def __iter__(self) -> _StreamIter:  # type: ignore[override]
+        return _StreamIter(self)
+
+    def _shard_order(self, epoch: int) -> list[int]:
+        n = len(self._stream.shards)
+        if not self._shuffle:
+            return list(range(n))
+        generator = torch.Generator()
+        generator.manual_seed(derive_seed(self._seed, "shards", epoch))
+        return torch.randperm(n, generator=generator).tolist()
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position as JSON: samples of the epoch's global sequence consumed (whole steps), the
+        batches this rank received, the lengths of the shards read this epoch, and what the
+        sequence depends on."""
+        pos = self._seeded_sampler
+        assert isinstance(pos, _StreamSampler)
+        rank, world_size = process_group(pos.fixed_shard)
+        per_step = self._per_step(world_size)
+        lengths = pos.lengths if pos.lengths_epoch == pos.epoch else {}
+        return {
+            "version": STATE_VERSION,
+            "stream": True,
+            "seed": self._seed,
+            "epoch": pos.epoch,
+            "batches_consumed": pos.batches,
+            "samples_consumed": pos.batches // per_step * self._step(world_size),
+            "finished": pos.finished,
+            "shard_lengths": [lengths.get(i) for i in range(len(self._stream.shards))],
+            "num_shards": len(self._stream.shards),
+            "batch_size": self._batch_size,
+            "global_batch_size": self._global,
+            "shuffle_buffer": self._buffer_size,
+            "drop_last": self.drop_last,
+            "shuffle": self._shuffle,
+            "rank": rank,
+            "world_size": world_size,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue after the position in ``state_dict``, on this loader's worker count and world
+        size. A different seed, shard count, batch size, ``global_batch_size``, shuffle buffer,
+        ``shuffle`` or ``drop_last`` raises ``DataLoaderStateError``, as does a position inside
+        a step of another world size."""
+        if not isinstance(state_dict, Mapping) or not state_dict.get("stream"):
+            raise DataLoaderStateError(
+                "This loader streams a ShardedDataset: load the state a streamed SeededLoader's "
+                "state_dict() returned."
+            )
+        if state_dict.get("version") != STATE_VERSION:
+            raise DataLoaderStateError(
+                f"Loader state has version {state_dict.get('version')!r}, this torchrepro reads version "
+                f"{STATE_VERSION}."
+            )
+        expected = self.state_dict()
+        compared = (
+            "seed",
+            "num_shards",
+            "batch_size",
+            "global_batch_size",
+            "shuffle_buffer",
+            "shuffle",
+            "drop_last",
+        )
+        mismatches = [
+            f"{key}: state has {state_dict.get(key)!r}, this loader has {expected[key]!r}"
+            for key in compared
+            if state_dict.get(key) != expected[key]
+        ]
+        if mismatches:
+            raise DataLoaderStateError(
+                "Loader state does not fit this SeededLoader (" + "; ".join(mismatches) + "). Create the "
+                "loader with the same shards, seed, batch_size, global_batch_size, shuffle_buffer, "
+                "shuffle and drop_last as the run that saved the state."
+            )
+        for key in ("epoch", "batches_consumed", "samples_consumed", "world_size"):
+            value = state_dict.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise DataLoaderStateError(f"Loader state has {key}={value!r}; expected an int >= 0.")
+        lengths = state_dict.get("shard_lengths")
+        if not isinstance(lengths, list) or len(lengths) != expected["num_shards"]:
+            raise DataLoaderStateError("Loader state has no shard_lengths list with one entry per shard.")
+        if any(n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0) for n in lengths):
+            raise DataLoaderStateError("Loader state has a shard length that is not an int >= 0.")
+        finished = state_dict.get("finished")
+        if not isinstance(finished, bool):
+            raise DataLoaderStateError(f"Loader state has finished={finished!r}; expected a bool.")
+        epoch, batches = state_dict["epoch"], state_dict["batches_consumed"]
+        pos = self._seeded_sampler
+        assert isinstance(pos, _StreamSampler)
+        world_size = expected["world_size"]
+        if finished:
+            epoch, batches, lengths = epoch + 1, 0, [None] * len(lengths)
+        elif state_dict["world_size"] != world_size:
+            samples, step = state_dict["samples_consumed"], self._step(world_size)
+            saved_step = self._step(state_dict["world_size"])
+            if batches % self._per_step(state_dict["world_size"]) or samples % step:
+                raise DataLoaderStateError(
+                    f"Loader state was saved {samples} samples (plus "
+                    f"{batches % self._per_step(state_dict['world_size'])} batches) into epoch {epoch} by "
+                    f"{state_dict['world_size']} processes, steps of {saved_step} samples; on {world_size} "
+                    f"processes a step is {step} samples, and {samples} is not a whole number of them. "
+                    f"Resume on {state_dict['world_size']} processes, or on a world size whose step "
+                    "divides the position."
+                )
+            batches = samples // step * self._per_step(world_size)
+        pos.restore(epoch, batches)
+        pos.lengths = {i: n for i, n in enumerate(lengths) if n is not None}
+        pos.lengths_epoch = epoch
+
+
+ShardedDataset._tr_loader = StreamingLoader  # SeededLoader(ShardedDataset(...)) builds one
+
+
+class _StreamIter(_SeededLoaderIter):
+    """One pass of a streaming loader: the batches of this rank, from the position."""
+
+    def _batches(self) -> Iterator[Any]:
+        loader = self._loader
+        assert isinstance(loader, StreamingLoader)
+        return _pass(loader, self._received)
+
+    def __len__(self) -> int:
+        raise TypeError("A streamed SeededLoader has no length.")
+
+
+def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
+    """The batches of the pass under way, after the ``received`` ones."""
+    pos = loader._seeded_sampler
+    assert isinstance(pos, _StreamSampler)
+    epoch, seed = pos.epoch, loader._seed
+    if pos.lengths_epoch != epoch:
+        pos.lengths, pos.lengths_epoch = {}, epoch
+    rank, world_size = process_group(pos.fixed_shard)
+    per_step, step = loader._per_step(world_size), loader._step(world_size)
+    batch_size = loader._batch_size
+    steps_done, skip = divmod(received, per_step)
+    consumed = steps_done * step
+    order = loader._shard_order(epoch)
+    known = []
+    for index in order:
+        if index not in pos.lengths:
+            break
+        known.append(pos.lengths[index])
+    complete = len(known) == len(order)
+    if complete and consumed >= sum(known):
+        return  # saved after the last batch of the epoch: its rest is empty
+    try:
+        buffer, frontier = replay(seed, epoch, loader._buffer_size, known, consumed, complete=complete)
+    except ValueError as e:
+        raise DataLoaderStateError(
+            f"The loader's position ({consumed} samples into epoch {epoch}) lies beyond the shards it "
+            f"knows the lengths of ({e}); load a state saved by this loader's state_dict()."
+        ) from None
+    needed: dict[int, set[int]] = {}
+    for p, o in buffer.items:
+        needed.setdefault(p, set()).add(o)
+    starts = {p: min(offsets) for p, offsets in needed.items()}
+    fp, fo = frontier
+    if fp < len(order):
+        starts[fp] = min(starts.get(fp, fo), fo)
+        starts.update({p: 0 for p in range(fp + 1, len(order))})
+    pos.tasks = [(epoch, order[p], p, starts[p], _TASK_MARK) for p in sorted(starts)]
+    shards = DataLoader.__iter__(loader) if pos.tasks else iter(())
+
+    contents: dict[tuple[int, int], Any] = {}
+
+    def sequence() -> Iterator[Any]:
+        for p, samples, length in shards:
+            pos.lengths[order[p]] = length
+            wanted = needed.pop(p, ())
+            for o, sample in samples:
+                ident = (p, o)
+                if o in wanted:
+                    contents[ident] = sample
+                if ident >= frontier:
+                    contents[ident] = sample
+                    out = buffer.push(ident)
+                    if out is not None:
+                        yield contents.pop(out)
+        for out in buffer.drain():
+            yield contents.pop(out)
+
+    batch_key = _Deriver(seed, ("batch", epoch), 3)
+    group = world_size * per_step  # batches of `batch_size` in a step
+    items: list[Any] = []
+    step_index = steps_done
+    for sample in sequence():
+        items.append(sample)
+        if len(items) < step:
+            continue
+        for a in range(skip, per_step):
+            part = rank * per_step + a
+            yield _collate(
+                loader,
+                items[part * batch_size : (part + 1) * batch_size],
+                batch_key,
+                step_index * group + part,
+            )
+        items, skip = [], 0
+        step_index += 1
+    if items and not loader.drop_last:
+        share = -(-len(items) // world_size)
+        padded = (items * (-(-share * world_size // len(items))))[: share * world_size]
+        yield _collate(
+            loader, padded[rank * share : (rank + 1) * share], batch_key, step_index * group + rank
+        )
+
+
+def _collate(loader: StreamingLoader, samples: list[Any], key: _Deriver, batch_index: int) -> Any:
+    """``collate_fn(samples)`` seeded from the global batch index; the main process's global RNG
+    states put back after it."""
+    np = numpy_or_none()
+    saved = (_python_mt.save(), _numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
+    active = _active
+    outer = (active.seed, active.rng)
+    try:
+        s = key.one(batch_index)
+        sample_seeder(np)(s)
+        active.seed, active.rng = s, None
+        return loader._collate(samples)
+    finally:
+        active.seed, active.rng = outer
+        _python_mt.restore(saved[0])
+        if np is not None:
+            _numpy_mt.restore(np, saved[1])
+        torch.set_rng_state(saved[2])
