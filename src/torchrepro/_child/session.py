@@ -119,9 +119,10 @@ class Session:
         if not self.spec.ops_out:
             return
         try:
+            from torchrepro.audit.threads import facts
             from torchrepro.tracing import OpRecorder
 
-            self.ops_recorder = OpRecorder()
+            self.ops_recorder = OpRecorder(facts=facts)
             self.ops_recorder.start()
         except Exception as exc:
             print(f"torchrepro bootstrap: op recording unavailable: {exc}", file=sys.stderr)
