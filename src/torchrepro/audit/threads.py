@@ -176,9 +176,16 @@ def _packet(op: str) -> str:
     return ".".join(parts[:2]) if len(parts) >= 2 else op
 
 
+_ENTRY_OF: dict[str, ThreadEntry | None] = {}
+"""Op overload name -> its entry (None: not in the table), filled as ops are met."""
+
+
 def facts(op: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> str | None:
     """Why this call's CPU result depends on the thread count (``OpRecorder``'s ``facts``), else None."""
-    entry = _BY_OP.get(_packet(op))
+    if op in _ENTRY_OF:
+        entry = _ENTRY_OF[op]
+    else:
+        entry = _ENTRY_OF[op] = _BY_OP.get(_packet(op))
     if entry is None:
         return None
     try:
