@@ -87,6 +87,10 @@ def test_only_the_flags_module_spells_modes_and_cublas_values() -> None:
     assert _spelled((":4096:8", ":16:8", r"\(\s*\"strict\", \"warn\""), "torchrepro.flags") == []
 
 
+def test_only_the_portable_module_spells_mkl_cbwr_values() -> None:
+    assert _spelled((r"AVX\d*,STRICT", r"MKL_CBWR="), "torchrepro.portable") == []
+
+
 def test_only_tracing_touches_dispatch_internals() -> None:
     offenders = []
     for path in MODULES:
@@ -181,6 +185,7 @@ def test_cycle_detection_can_fail(tmp_path: Path) -> None:
 
 CLI_LAZY = {
     "torchrepro._child.spec",
+    "torchrepro.portable",
     "torchrepro.audit",
     "torchrepro.check",
     "torchrepro.compare",

@@ -22,12 +22,13 @@ from torchrepro.check import (
     _no_trace,
     _run_spec,
     _steps_note,
+    _thread_notes,
     _varied_text,
     check_script,
 )
 from torchrepro.check_runs import make_run, rank_notes, varied_workers
 from torchrepro.compare import Coverage, Divergence
-from torchrepro.errors import LaunchError
+from torchrepro.errors import LaunchError, SettingsError
 
 BASE = ChildSpec(seed=5, mode="warn", max_steps=3)
 
@@ -175,6 +176,7 @@ def test_check_result_to_dict_shape() -> None:
         "inconclusive": False,
         "reason": None,
         "varied": None,
+        "portable": None,
         "coverage": None,
         "notes": [],
     }
@@ -218,6 +220,7 @@ def test_check_result_error_only_when_set() -> None:
         "inconclusive": False,  # a failed run is an error, not an inconclusive verdict
         "reason": None,
         "varied": None,
+        "portable": None,
         "coverage": None,
         "notes": [],
         "error": "run 2 of 2 failed with exit code 1",
@@ -283,6 +286,27 @@ def test_launch_options_are_refused_before_any_directory(
     with pytest.raises(LaunchError):
         check_script(script, root=root, **options)
     assert not root.exists()
+
+
+@pytest.mark.parametrize(("var", "value"), [("MKL_CBWR", "AVX3"), ("ATEN_CPU_CAPABILITY", "avx9")])
+def test_portable_refuses_a_value_of_the_user_before_any_directory(
+    tmp_path: Path, script: str, monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    root = tmp_path / "checks"
+    with pytest.raises(SettingsError, match=f"--portable: {var}={value!r} in the environment is not"):
+        check_script(script, root=root, portable=True)
+    assert not root.exists()
+
+
+def test_a_located_op_under_vary_threads_is_named_as_portable_fixes_it_or_not() -> None:
+    (layer_norm,) = _thread_notes("aten.native_layer_norm_backward.default", portable=True)
+    assert "also under --portable (audit TR602" in layer_norm and "fix: Pin the thread count" in layer_norm
+    (mm,) = _thread_notes("aten.mm.default", portable=False)
+    assert mm.startswith("aten.mm.default depends on the thread count here: oneMKL's GEMM")
+    assert mm.endswith("try the check again with --portable")
+    assert _thread_notes("aten.mm.default", portable=True) == []  # not known to stay thread-dependent
+    assert _thread_notes("aten.relu.default", portable=False) == _thread_notes(None, portable=True) == []
 
 
 def test_check_runs_wait_passively_unless_the_user_chose(

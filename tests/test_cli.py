@@ -31,13 +31,13 @@ from torchrepro.runrecord import events_path, write_env
         (
             ["run", "t.py"],
             {"seed": 0, "mode": "strict", "threads": None, "cpu_capability": None, "nproc": None}
-            | {"record": None, "overwrite": False, "trace_step": None, "json": False}
+            | {"portable": False, "record": None, "overwrite": False, "trace_step": None, "json": False}
             | {"module": None, "script": "t.py", "args": []},
         ),
         (
             ["check", "t.py"],
             {"runs": 2, "steps": None, "nproc": None, "seed": 0, "mode": "strict", "threads": None}
-            | {"cpu_capability": None, "no_seed": False, "vary": None, "no_locate": False}
+            | {"cpu_capability": None, "portable": False, "no_seed": False, "vary": None, "no_locate": False}
             | {"serial": False, "no_isolate": False, "json": False, "module": None, "script": "t.py"}
             | {"args": []},
         ),
@@ -345,6 +345,27 @@ def test_check_counts_steps_as_the_user_does_and_says_what_was_varied(
     assert _render_check(monkeypatch, capsys, single)[1].splitlines()[0] == (
         "reproducible: 2 runs identical over 20 training steps"
     )
+    assert "portable" not in _render_check(monkeypatch, capsys, single)[1]
+
+
+def test_a_portable_check_says_what_portable_mode_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    values = {"MKL_CBWR": "AVX2,STRICT", "ATEN_CPU_CAPABILITY": "avx2", "onednn": False}
+    result = CheckResult(
+        reproducible=True,
+        runs=2,
+        steps_compared=3,
+        first_divergence=None,
+        check_dir="/c/1",
+        coverage=COVERED,
+        varied="1 vs 2 threads",
+        portable=values,
+    )
+    out = _render_check(monkeypatch, capsys, result)[1]
+    assert "  portable: MKL_CBWR=AVX2,STRICT, ATEN_CPU_CAPABILITY=avx2, oneDNN off" in out.splitlines()
+    unpinned = dataclasses.replace(result, portable={**values, "ATEN_CPU_CAPABILITY": None})
+    assert "  portable: MKL_CBWR=AVX2,STRICT, oneDNN off" in _render_check(monkeypatch, capsys, unpinned)[1]
 
 
 def test_an_inconclusive_check_gives_its_reason_in_the_headline(

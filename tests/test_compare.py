@@ -668,6 +668,52 @@ def test_compare_names_a_threads_difference_a_setting_and_marks_volatile_fields(
     ) == (None, False)
 
 
+def test_compare_names_a_portable_difference_once_and_the_environment_it_set(tmp_path: Path) -> None:
+    """--portable sets MKL_CBWR, the CPU ISA and oneDNN's switch: one setting difference explains all."""
+    env_plain = dataclasses.replace(
+        THREADS_ENV,
+        cpu_capability="AVX512",
+        determinism={"mkldnn_enabled": True},
+        env_vars={"TORCHREPRO_RECORD_DIR": "/records/a"},
+    )
+    env_portable = dataclasses.replace(
+        env_plain,
+        cpu_capability="AVX2",
+        determinism={"mkldnn_enabled": False},
+        env_vars={
+            "TORCHREPRO_RECORD_DIR": "/records/b",
+            "TORCHREPRO_PORTABLE": "1",
+            "MKL_CBWR": "AVX2,STRICT",
+            "ATEN_CPU_CAPABILITY": "avx2",
+        },
+    )
+    a = make_record(tmp_path / "a", {0: training(2)}, env=env_plain.to_dict(), settings=RunSettings(seed=0))
+    portable = RunSettings(seed=0, portable=True, MKL_CBWR="AVX2,STRICT", ATEN_CPU_CAPABILITY="avx2")
+    b = make_record(tmp_path / "b", {0: training(2)}, env=env_portable.to_dict(), settings=portable)
+    result = compare_runs(a, b)
+    assert [d.name for d in result.setting_differences] == ["portable"]
+    assert result.notes[0].startswith(
+        "started with different portable: off vs on (a settings difference, not nondeterminism: portable mode"
+    )
+    listed = {d["key"]: d["setting"] for d in result.to_dict()["env_differences"] if not d["volatile"]}
+    assert listed == {
+        "cpu_capability": "portable",
+        "determinism.mkldnn_enabled": "portable",
+        "env_vars.MKL_CBWR": "portable",
+        "env_vars.ATEN_CPU_CAPABILITY": "portable",
+        "env_vars.TORCHREPRO_PORTABLE": "portable",
+    }
+    # control: an older record (no portable field) and a plain one do not differ in portability
+    old = make_record(tmp_path / "c", {0: training(2)}, settings=RunSettings(seed=0, portable=None))
+    plain = make_record(tmp_path / "d", {0: training(2)}, settings=RunSettings(seed=0, portable=False))
+    assert compare_runs(old, plain).setting_differences == ()
+    # and a user's own MKL_CBWR, without --portable, is a difference of its own
+    kept = make_record(tmp_path / "e", {0: training(2)}, settings=RunSettings(seed=0, MKL_CBWR="AVX2"))
+    assert [d.describe() for d in compare_runs(plain, kept).setting_differences] == [
+        "started with different MKL_CBWR: unset vs 'AVX2'"
+    ]
+
+
 def test_compare_passes_a_threads_difference_to_the_op_locator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

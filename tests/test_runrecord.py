@@ -47,6 +47,8 @@ def write_events(path: Path, events: list[dict[str, Any]], tail: str = "") -> No
 
 
 def _field_strategy(f: dataclasses.Field[Any]) -> st.SearchStrategy[Any]:
+    if "bool" in str(f.type):
+        return st.none() | st.booleans()
     kind = st.integers() if "int" in str(f.type) else st.text(max_size=10)
     return st.none() | kind
 

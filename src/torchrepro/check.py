@@ -20,7 +20,11 @@ Invariants:
   are compared too; a rank that should exist but wrote no record, or a python child the script
   started that trained without a rank of its own, makes the verdict inconclusive with a note.
 - A ``compute`` divergence at step k is located (op, module, line) by re-running both sides
-  with op tracing for step k only; locating is best effort and never fails the check.
+  with op tracing for step k only; locating is best effort and never fails the check. Under
+  ``--vary threads`` a located op is named as one whose CPU kernel splits work by thread: one
+  ``--portable`` fixes, or one of the audit's table (``audit.threads``) that it does not.
+- ``portable`` runs every run in portable mode; the verdict says so (``portable``: the values the
+  runs started with), and a portable value kept from the user's environment gets a note.
 """
 
 from __future__ import annotations
@@ -53,8 +57,10 @@ from torchrepro.launch import (
     check_target,
     nproc_note,
     run_settings,
+    start_notes,
     terminate_on_signals,
 )
+from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
 
 __all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
 
@@ -77,6 +83,8 @@ class CheckResult:
     that differ only in the final state, that the training which changed it was not recorded.
     ``varied`` is what ``--vary`` changed, in words (``1 vs 2 threads``). ``optimizer_steps``
     counts the optimizer steps compared per optimizer (``steps_compared`` counts training steps).
+    ``portable`` is what portable mode set in the runs (``MKL_CBWR``, ``ATEN_CPU_CAPABILITY``,
+    ``onednn``: False), None when it was off.
     """
 
     reproducible: bool | None
@@ -94,6 +102,7 @@ class CheckResult:
     reason: str | None = None
     varied: str | None = None
     optimizer_steps: dict[str, int] = field(default_factory=dict)
+    portable: dict[str, Any] | None = None
 
     @property
     def inconclusive(self) -> bool:
@@ -112,6 +121,7 @@ class CheckResult:
             "inconclusive": self.inconclusive,
             "reason": self.reason,
             "varied": self.varied,
+            "portable": None if self.portable is None else dict(self.portable),
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "notes": list(self.notes),
         }
@@ -193,6 +203,7 @@ def check_script(
     cpu_capability: str | None = None,
     no_seed: bool = False,
     vary: str | None = None,
+    portable: bool = False,
     root: str | os.PathLike[str] = ".torchrepro/checks",
     locate: bool = True,
     serial: bool = False,
@@ -206,6 +217,9 @@ def check_script(
     slower, but one run's processes at a time (a GPU that fits one run, not two).
     ``isolate=True`` gives each run a copy-on-write view of the working directory (its writes
     end up in its record, never in the user's files) where the kernel allows it.
+    ``portable=True`` runs them in portable mode (``torchrepro.portable``); with
+    ``vary="threads"`` the check then says whether the script's results are independent of the
+    thread count, and where they are not.
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -221,7 +235,9 @@ def check_script(
         mode=None if no_seed else mode,
         threads=threads,
         max_steps=steps,
+        portable=portable,
     )
+    portable_notes = start_notes(base)  # a value it cannot use is refused before anything is created
     check_target(script, module, args, command="check")
     command = build_command(script, args, module=module, nproc=nproc, watch_writes=True)  # validates nproc
     check_dir = runrecord.new_run_dir(root)
@@ -243,6 +259,7 @@ def check_script(
             serial=serial,
             progress=progress,
             poll_interval=poll_interval,
+            start_notes=portable_notes,
         )
     finally:
         if layers is not None:
@@ -286,6 +303,7 @@ def _check(
     serial: bool,
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
+    start_notes: Sequence[str] = (),
 ) -> CheckResult:
     ranks = nproc or 1
     specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
@@ -298,7 +316,8 @@ def _check(
             command,
             run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
         )
-    notes = [n for n in [nproc_note(nproc)] if n]
+    notes = [n for n in [nproc_note(nproc), *start_notes] if n]
+    portable = _portable_values(all_runs[0].env) if base.portable else None
     if isolation.mode == "none" and isolation.reason != _OPTED_OUT:
         notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
@@ -333,6 +352,7 @@ def _check(
             coverage=coverage(cursors, range(ranks)),
             isolation=isolation,
             shared_writes=tuple(shared),
+            portable=portable,
         )
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
@@ -358,6 +378,8 @@ def _check(
                 serial=serial,
             )
         notes.extend(locate_notes)
+    if first is not None and vary == "threads":
+        notes.extend(_thread_notes(first.op, portable=base.portable))
     reproducible: bool | None = first is None
     if first is None and not covered.conclusive:
         reproducible = None
@@ -398,9 +420,31 @@ def _check(
         reason=reason,
         varied=varied,
         optimizer_steps=optimizer_steps(cursors),
+        portable=portable,
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
+
+
+def _portable_values(env: dict[str, str]) -> dict[str, Any]:
+    """What portable mode set in a run started with ``env``, for the verdict."""
+    return {CBWR_VAR: env.get(CBWR_VAR), CPU_CAPABILITY_VAR: env.get(CPU_CAPABILITY_VAR), "onednn": False}
+
+
+def _thread_notes(op: str | None, *, portable: bool) -> list[str]:
+    """What ``--vary threads`` learnt from the op a divergence was located at (None: not located)."""
+    from torchrepro.audit.threads import portable_removes, thread_entry
+
+    entry = thread_entry(op)
+    if entry is not None:
+        return [
+            f"{op} is known to depend on the thread count on the CPU, also under --portable "
+            f"(audit {entry.code}, {entry.title}); fix: {entry.fix}"
+        ]
+    removes = portable_removes(op)
+    if removes is not None and not portable:
+        return [f"{op} depends on the thread count here: {removes}; try the check again with --portable"]
+    return []
 
 
 def _locate(

@@ -78,6 +78,19 @@ def _add_cpu_capability(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_portable(p: argparse.ArgumentParser) -> None:
+    from torchrepro.portable import CBWR_DEFAULT, CBWR_VAR
+
+    p.add_argument(
+        "--portable",
+        action="store_true",
+        help="portable mode: results that do not change with the thread count or the CPU, as far as "
+        f"measured: oneMKL's strict reproducibility ({CBWR_VAR}={CBWR_DEFAULT}), a fixed CPU instruction "
+        "set (ATEN_CPU_CAPABILITY=avx2 on x86 with AVX2), oneDNN off; a valid value already in the "
+        "environment is kept; recorded in the run's settings (slower: see the README)",
+    )
+
+
 def _integer(minimum: int, what: str, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in [minimum, maximum], refused with what is accepted."""
     accepted = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
@@ -122,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
     p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
     _add_cpu_capability(p)
+    _add_portable(p)
     p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks through torchrun")
     p.add_argument(
         "--record",
@@ -166,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
     p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
     _add_cpu_capability(p)
+    _add_portable(p)
     p.add_argument(
         "--no-seed", action="store_true", help="run as plain python would (no seeding, no switches)"
     )
@@ -174,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=VARY_CHOICES,
         default=None,
         help="change one thing in the later runs to test that the result does not depend on it: "
-        "workers (every DataLoader's num_workers), threads (1 <-> 2), hashseed (PYTHONHASHSEED)",
+        "workers (every DataLoader's num_workers), threads (1 <-> 2; with --portable: whether the "
+        "results are independent of the thread count), hashseed (PYTHONHASHSEED)",
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument(
@@ -291,6 +307,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         mode=args.mode,
         threads=args.threads,
         cpu_capability=args.cpu_capability,
+        portable=args.portable,
         nproc=args.nproc,
         record_dir=args.record,
         overwrite=args.overwrite,
@@ -381,6 +398,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         cpu_capability=args.cpu_capability,
         no_seed=args.no_seed,
         vary=args.vary,
+        portable=args.portable,
         locate=not args.no_locate,
         serial=args.serial,
         isolate=not args.no_isolate,
@@ -419,6 +437,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print(f"  ({steps} compared{varied})")
         if result.coverage is not None:
             print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
+        if result.portable is not None:
+            print(f"  portable: {_portable_text(result.portable)}")
         if result.isolation is not None:
             print(f"  isolation: {result.isolation.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
@@ -427,6 +447,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if result.inconclusive:
         return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
+
+
+def _portable_text(values: dict[str, Any]) -> str:
+    """``MKL_CBWR=AVX2,STRICT, ATEN_CPU_CAPABILITY=avx2, oneDNN off`` (an unset variable: left out)."""
+    shown = [f"{k}={v}" for k, v in values.items() if k != "onednn" and v is not None]
+    return ", ".join([*shown, "oneDNN off"])
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -250,12 +250,22 @@ class SettingDifference:
         return {"name": self.name, "a": self.a, "b": self.b}
 
     def describe(self) -> str:
-        a, b = (_UNSET.get(self.name, "not set") if v is None else repr(v) for v in (self.a, self.b))
+        a, b = (
+            _UNSET.get(self.name, "not set") if v in (None, False) else "on" if v is True else repr(v)
+            for v in (self.a, self.b)
+        )
         detail = f" ({self.detail})" if self.detail else ""
         return f"started with different {self.name}: {a} vs {b}{detail}"
 
 
-_UNSET = {"threads": "not pinned", "OMP_NUM_THREADS": "unset", "vary": "none"}
+_UNSET = {
+    "threads": "not pinned",
+    "OMP_NUM_THREADS": "unset",
+    "vary": "none",
+    "portable": "off",
+    "MKL_CBWR": "unset",
+    "ATEN_CPU_CAPABILITY": "unset",
+}
 """How a setting that was not given reads (``None`` among a record's settings)."""
 
 _THREADS_DETAIL = (
@@ -263,6 +273,10 @@ _THREADS_DETAIL = (
     "threads can round differently; give both runs the same --threads"
 )
 
+_PORTABLE_DETAIL = (
+    "a settings difference, not nondeterminism: portable mode (oneMKL's strict reproducibility, "
+    "a fixed CPU instruction set, oneDNN off) runs other CPU kernels; give both runs the same --portable"
+)
 
 # settings.json fields that change what a run computes (not the run's index or what was traced)
 _COMPARED_SETTINGS = (
@@ -277,6 +291,9 @@ _COMPARED_SETTINGS = (
     "vary",
     "PYTHONHASHSEED",
     "OMP_NUM_THREADS",
+    "portable",
+    "MKL_CBWR",
+    "ATEN_CPU_CAPABILITY",
 )
 
 
@@ -286,7 +303,7 @@ def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, 
     if a.settings is not None and b.settings is not None:
         for name in _COMPARED_SETTINGS:
             va, vb = getattr(a.settings, name), getattr(b.settings, name)
-            if va != vb:
+            if va != vb and not (name == "portable" and not va and not vb):  # False: an older record's None
                 found.append(SettingDifference(name, va, vb))
         if found and found[0].name == "seed":  # the hash seed is derived from the seed: one cause
             found = [d for d in found if d.name != "PYTHONHASHSEED"]
@@ -296,6 +313,15 @@ def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, 
                 for d in found
                 if d.name != "OMP_NUM_THREADS"
             ]
+        names = {d.name for d in found}
+        if "portable" in names:  # --portable sets MKL_CBWR and the CPU ISA: one cause
+            found = [
+                replace(d, detail=_PORTABLE_DETAIL) if d.name == "portable" else d
+                for d in found
+                if d.name not in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")
+            ]
+        elif "cpu_capability" in names:  # --cpu-capability sets ATEN_CPU_CAPABILITY
+            found = [d for d in found if d.name != "ATEN_CPU_CAPABILITY"]
     argv_a, argv_b = _script_args(a), _script_args(b)
     if argv_a is not None and argv_b is not None and argv_a != argv_b:
         found.append(SettingDifference("arguments", " ".join(argv_a), " ".join(argv_b)))
@@ -325,6 +351,7 @@ def _varied_threads(started: Sequence[SettingDifference]) -> str | None:
 def _explained_env_keys(setting: str) -> tuple[str, ...]:
     """The environment keys (``env_diff`` keys, or their prefixes) a setting difference sets."""
     from torchrepro._child.spec import CPU_CAPABILITY_VAR, variable
+    from torchrepro.portable import CBWR_VAR
 
     threads = (
         "num_threads",
@@ -335,15 +362,21 @@ def _explained_env_keys(setting: str) -> tuple[str, ...]:
         f"env_vars.{variable('threads')}",
     )
     hash_seed = ("env_vars.PYTHONHASHSEED",)
+    isa = (f"env_vars.{variable('cpu_capability')}", f"env_vars.{CPU_CAPABILITY_VAR}", "cpu_capability")
+    cbwr = (f"env_vars.{CBWR_VAR}",)
     table: dict[str, tuple[str, ...]] = {
         "seed": (f"env_vars.{variable('seed')}", *hash_seed),
         "mode": (f"env_vars.{variable('mode')}", "determinism"),
         "threads": threads,
         "OMP_NUM_THREADS": threads,
-        "cpu_capability": (
-            f"env_vars.{variable('cpu_capability')}",
-            f"env_vars.{CPU_CAPABILITY_VAR}",
-            "cpu_capability",
+        "cpu_capability": isa,
+        "ATEN_CPU_CAPABILITY": isa,
+        "MKL_CBWR": cbwr,
+        "portable": (
+            f"env_vars.{variable('portable')}",
+            *cbwr,
+            *isa,
+            "determinism.mkldnn_enabled",
         ),
         "PYTHONHASHSEED": hash_seed,
         "steps": (f"env_vars.{variable('max_steps')}",),

@@ -2,8 +2,9 @@
 
 Invariants:
 - ``set_determinism``, ``DeterminismFlags.restore`` and ``reproducible`` are the only functions in
-  torchrepro that write ``os.environ`` or global torch flags; each validates before it changes
-  anything, so an error leaves every switch as it was.
+  torchrepro that write ``os.environ`` or global torch flags (besides ``portable.disable_onednn``,
+  portable mode's one switch); each validates before it changes anything, so an error leaves every
+  switch as it was.
 - ``DeterminismFlags.capture`` reads every switch (including ``CUBLAS_WORKSPACE_CONFIG``) and
   ``restore`` puts back exactly what was captured, unsetting the variable if it was unset.
 - Nothing here initialises CUDA: whether CUDA has started is read with

@@ -17,6 +17,8 @@ Invariants:
   are bootstrapped and known to a check from the start.
 - ``relaunch`` re-executes the current process at most once (a marker variable), keeping its pid
   and environment (so a torchrun rank stays the rank its agent watches).
+- ``portable=True`` starts the child with portable mode's variables (``portable.start_values``,
+  validated before anything is created) and the child turns oneDNN off before the script runs.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from torchrepro._proc import descendants, exit_code, kill_tree
 from torchrepro._runtime import cuda_started
 from torchrepro.errors import LaunchError, SettingsError
 from torchrepro.flags import CUBLAS_VAR, MODES, cublas_start_value
+from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR, disable_onednn, start_values
+from torchrepro.portable import notes as portable_notes
 from torchrepro.seeding import validate_seed
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "relaunch",
     "run_settings",
     "spawn",
+    "start_notes",
 ]
 
 _bootstrapped = False
@@ -203,6 +208,9 @@ def run_settings(
         run=run,
         PYTHONHASHSEED=env.get("PYTHONHASHSEED"),
         OMP_NUM_THREADS=env.get("OMP_NUM_THREADS"),
+        portable=spec.portable,
+        MKL_CBWR=env.get(CBWR_VAR),
+        ATEN_CPU_CAPABILITY=env.get(CPU_CAPABILITY_VAR),
     )
 
 
@@ -292,6 +300,7 @@ def launch(
     overwrite: bool = False,
     trace_step: int | None = None,
     cpu_capability: str | None = None,
+    portable: bool = False,
 ) -> RunResult:
     """Run a script to completion under the bootstrap with stdio inherited; return its exit code.
 
@@ -299,8 +308,10 @@ def launch(
     records an op trace of optimizer step k (0-based, the first optimizer's) per rank in the
     record, so ``torchrepro compare`` can name the op, module and line where two runs part at
     that step. ``cpu_capability`` pins ``ATEN_CPU_CAPABILITY`` (the CPU ISA torch's kernels use).
-    ``record_dir`` must be new or empty unless ``overwrite`` (then its record files are
-    replaced). Ctrl-C and SIGTERM end the whole process tree; so does this process's death.
+    ``portable`` starts it in portable mode (``torchrepro.portable``: results independent of the
+    thread count and the CPU, as far as measured), recorded in its settings. ``record_dir`` must
+    be new or empty unless ``overwrite`` (then its record files are replaced). Ctrl-C and SIGTERM
+    end the whole process tree; so does this process's death.
     """
     # validated before anything is created: a bad setting leaves no directory behind
     spec = ChildSpec(
@@ -310,10 +321,11 @@ def launch(
         cpu_capability=cpu_capability,
         trace_step=trace_step,
         trace_out=None if trace_step is None else "",  # the record's path, filled in below
+        portable=portable,
     )
     check_target(script, module, args)
     command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
-    notes = tuple(n for n in [nproc_note(nproc)] if n)
+    notes = tuple(n for n in [nproc_note(nproc), *start_notes(spec)] if n)
     run_dir = Path(record_dir) if record_dir is not None else runrecord.new_run_dir()
     with runrecord.claim(run_dir, overwrite=overwrite):
         spec = spec.replace(
@@ -340,7 +352,16 @@ def launch(
     return RunResult(returncode=returncode, record_dir=os.fspath(run_dir), notes=notes)
 
 
-def _start_settings_missing(seed: int, threads: int | None) -> dict[str, str]:
+def start_notes(spec: ChildSpec, base: Mapping[str, str] | None = None) -> list[str]:
+    """What the user should know about ``spec``'s process-start settings (portable mode's kept
+    values); raises ``SettingsError`` for a value in ``base`` (default ``os.environ``) it cannot use."""
+    if not spec.portable:
+        return []
+    env = os.environ if base is None else base
+    return portable_notes(start_values(env, cpu_capability=spec.cpu_capability))
+
+
+def _start_settings_missing(seed: int, threads: int | None, portable: bool = False) -> dict[str, str]:
     """The process-start variables this process lacks, with the values it should have had."""
     missing: dict[str, str] = {}
     hash_seed = os.environ.get("PYTHONHASHSEED", "")
@@ -350,21 +371,30 @@ def _start_settings_missing(seed: int, threads: int | None) -> dict[str, str]:
         for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             if os.environ.get(key) != str(threads):
                 missing[key] = str(threads)
+    if portable:
+        for key, value in start_values(os.environ).items():
+            if os.environ.get(key) != value:
+                missing[key] = value
     return missing
 
 
-def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None) -> int:
+def relaunch(
+    seed: int = 0, mode: str = "strict", *, threads: int | None = None, portable: bool = False
+) -> int:
     """Call at the top of a script: make this process reproducible, re-executing it if needed.
 
     When a process-start setting is missing (``PYTHONHASHSEED``, and with ``threads`` the
     OMP/MKL variables), re-execute the same interpreter with the same argv (``sys.orig_argv``)
     and the settings added (``os.execve``: same pid, so a torchrun rank stays in place and keeps
-    its rank variables). Then seed every RNG (``seed_everything(seed)``) and set the determinism
-    switches (``set_determinism(mode)``). ``CUBLAS_WORKSPACE_CONFIG`` is set in place while CUDA
-    is not initialised (a re-exec otherwise). Returns the seed in effect.
+    its rank variables). ``portable=True`` adds portable mode's variables (``MKL_CBWR``, the CPU
+    ISA: ``torchrepro.portable``) and turns oneDNN off. Then seed every RNG
+    (``seed_everything(seed)``) and set the determinism switches (``set_determinism(mode)``).
+    ``CUBLAS_WORKSPACE_CONFIG`` is set in place while CUDA is not initialised (a re-exec
+    otherwise). Returns the seed in effect.
 
     Never loops: the re-executed process carries a marker and only warns if something is still
-    missing. Under ``torchrepro run``/``check`` (already bootstrapped and seeded) it does nothing.
+    missing. Under ``torchrepro run``/``check`` (already bootstrapped and seeded) it does nothing:
+    there the command line decides (``--portable``).
     """
     seed = validate_seed(seed)
     if mode not in MODES:
@@ -374,7 +404,7 @@ def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None)
 
         used = current_seed()
         return seed if used is None else used
-    missing = _start_settings_missing(seed, threads)
+    missing = _start_settings_missing(seed, threads, portable)
     cublas = cublas_start_value(mode, os.environ.get(CUBLAS_VAR))
     if cublas is not None:
         if cuda_started():
@@ -403,6 +433,8 @@ def relaunch(seed: int = 0, mode: str = "strict", *, threads: int | None = None)
         import torch
 
         torch.set_num_threads(threads)
+    if portable:
+        disable_onednn()
     from torchrepro.flags import set_determinism
     from torchrepro.seeding import seed_everything
 

@@ -349,6 +349,8 @@ class RunSettings:
     ``run`` is the run's index within a check; ``steps``/``vary`` are the check's options;
     ``trace_step``/``trace_optimizer`` say which step's ops were traced into the record;
     ``PYTHONHASHSEED``/``OMP_NUM_THREADS`` are the values the child was started with.
+    ``portable``: started in portable mode (``torchrepro.portable``: oneDNN off in the child), with
+    ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` as the child's environment held them.
     """
 
     seed: int | None = None
@@ -365,6 +367,9 @@ class RunSettings:
     run: int | None = None
     PYTHONHASHSEED: str | None = None
     OMP_NUM_THREADS: str | None = None
+    portable: bool | None = None
+    MKL_CBWR: str | None = None
+    ATEN_CPU_CAPABILITY: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON."""
@@ -376,6 +381,10 @@ class RunSettings:
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
             value = d.get(f.name)
+            if "bool" in str(f.type):
+                if isinstance(value, bool):
+                    values[f.name] = value
+                continue
             want = int if "int" in str(f.type) else str
             if isinstance(value, want) and not isinstance(value, bool):
                 values[f.name] = value

@@ -18,7 +18,9 @@ from torchrepro._child.spec import (
     ChildSpec,
     python_hash_seed,
 )
+from torchrepro.errors import SettingsError
 from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
+from torchrepro.portable import CBWR_DEFAULT, CBWR_VAR, portable_isa
 
 PROCESS_START = ("PYTHONHASHSEED", CUBLAS_VAR, "OMP_NUM_THREADS", "MKL_NUM_THREADS", CPU_CAPABILITY_VAR)
 
@@ -49,6 +51,7 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         audit_settings_out=draw(st.none() | paths),
         num_workers=draw(st.none() | st.just("other") | st.integers(0, 64).map(str)),
         cpu_capability=draw(st.none() | st.sampled_from(CPU_CAPABILITIES)),
+        portable=draw(st.booleans()),
     )
 
 
@@ -77,6 +80,7 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "audit_settings_out",
         "num_workers",
         "cpu_capability",
+        "portable",
     }
 
 
@@ -172,6 +176,28 @@ def test_cpu_capability_sets_aten_cpu_capability(capability: str) -> None:
     assert CPU_CAPABILITY_VAR not in ChildSpec().to_env({})
 
 
+def test_portable_sets_its_start_values_and_keeps_valid_ones_of_the_user() -> None:
+    env = ChildSpec(portable=True).to_env({"PATH": "/bin"})
+    assert env[ENV_PREFIX + "PORTABLE"] == "1" and env[CBWR_VAR] == CBWR_DEFAULT
+    assert env.get(CPU_CAPABILITY_VAR) == portable_isa()
+    kept = ChildSpec(portable=True).to_env({CBWR_VAR: "AVX512,STRICT", CPU_CAPABILITY_VAR: "avx512"})
+    assert (kept[CBWR_VAR], kept[CPU_CAPABILITY_VAR]) == ("AVX512,STRICT", "avx512")
+    chosen = ChildSpec(portable=True, cpu_capability="default").to_env({CPU_CAPABILITY_VAR: "avx512"})
+    assert chosen[CPU_CAPABILITY_VAR] == "default"  # --cpu-capability wins over the environment
+    # control: without portable nothing of it is set, and a user's value passes through untouched
+    assert not {CBWR_VAR, ENV_PREFIX + "PORTABLE"} & set(ChildSpec(seed=0).to_env({}))
+    assert ChildSpec().to_env({CBWR_VAR: "nonsense"}) == {CBWR_VAR: "nonsense"}
+
+
+@pytest.mark.parametrize(
+    ("base", "named"),
+    [({CBWR_VAR: "AVX3,STRICT"}, CBWR_VAR), ({CPU_CAPABILITY_VAR: "avx9"}, CPU_CAPABILITY_VAR)],
+)
+def test_portable_refuses_a_value_of_the_user_it_cannot_use(base: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingsError, match=f"--portable: {named}="):
+        ChildSpec(portable=True).to_env(base)
+
+
 def test_trace_optimizer_only_travels_with_a_trace_step() -> None:
     env = ChildSpec(trace_optimizer=2).to_env({})
     assert env == {}
@@ -215,6 +241,8 @@ def test_every_process_start_variable_only_when_asked() -> None:
         ({"hash_seed": 2**32}, "hash_seed"),
         ({"hash_seed": -1}, "hash_seed"),
         ({"hash_seed": True}, "hash_seed"),
+        ({"portable": "yes"}, "portable"),
+        ({"portable": 1}, "portable"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_field(bad: dict[str, Any], field: str) -> None:
@@ -278,6 +306,12 @@ def test_from_env_malformed_integer_names_the_variable(var: str, text: str) -> N
 def test_from_env_invalid_value_is_a_value_error_naming_the_field(env: dict[str, str], field: str) -> None:
     with pytest.raises(ValueError, match=f"malformed {ENV_PREFIX}.*{field}"):
         ChildSpec.from_env({ENV_PREFIX + k: v for k, v in env.items()})
+
+
+@pytest.mark.parametrize("text", ["yes", "true", "2", " 1"])
+def test_from_env_malformed_flag_names_the_variable(text: str) -> None:
+    with pytest.raises(ValueError, match=f"{ENV_PREFIX}PORTABLE must be 0 or 1, got {text!r}"):
+        ChildSpec.from_env({ENV_PREFIX + "PORTABLE": text})
 
 
 def test_replace_validates_again_and_leaves_the_original() -> None:

@@ -69,6 +69,30 @@ def test_usage_errors_are_one_line_exit_2_and_create_nothing(
     assert sorted(os.listdir(tmp_path)) == ["train.py"]  # no run or check directory
 
 
+@pytest.mark.parametrize("command", ["run", "check"])
+def test_portable_takes_no_value_and_refuses_an_unusable_environment_in_one_line(
+    command: str,
+    script: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert main([command, "--portable=yes", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--portable: ignored explicit argument 'yes'" in err
+    monkeypatch.setenv("MKL_CBWR", "AVX3,STRICT")
+    assert main([command, "--portable", str(script)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(
+        f"torchrepro {command}: error: --portable: MKL_CBWR='AVX3,STRICT' in the environment is not a "
+        "value oneMKL accepts (<branch>[,STRICT], e.g. AVX2,STRICT); unset it"
+    )
+    assert sorted(os.listdir(tmp_path)) == ["train.py"]  # no run or check directory
+    monkeypatch.setenv("MKL_CBWR", "AVX2,STRICT")  # control: a valid value passes parsing and validation
+    assert build_parser().parse_args([command, "--portable", str(script)]).portable is True
+
+
 def test_run_record_into_a_file_is_a_usage_error(
     script: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

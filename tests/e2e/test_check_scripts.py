@@ -39,6 +39,7 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
         "inconclusive": False,
         "reason": None,
         "varied": None,
+        "portable": None,
         "coverage": {
             "per_kind": {"compute": 4, "data": 4, "final": 1, "init": 1},
             "per_rank": {"0": {"compute": 4, "data": 4, "final": 1, "init": 1}},

@@ -147,3 +147,22 @@ def test_every_collected_field_has_a_specific_rule(env: Environment) -> None:
     unclassified = [k for k in flat if _classify(k) == _DEFAULT_RULE]
     assert unclassified == []
     assert all(reason and "\n" not in reason for _, _, reason in _RULES)
+
+
+def test_portable_modes_variables_are_named_for_what_they_do() -> None:
+    """MKL_CBWR and oneDNN's switch have reasons of their own (not the generic BLAS or switch one)."""
+    portable = dataclasses.replace(
+        BASE,
+        env_vars={**BASE.env_vars, "MKL_CBWR": "AVX2,STRICT"},
+        determinism={**BASE.determinism, "mkldnn_enabled": False},
+    )
+    plain = dataclasses.replace(BASE, determinism={**BASE.determinism, "mkldnn_enabled": True})
+    found = {d.key: d for d in diff_env(plain, portable)}
+    assert found.keys() == {"env_vars.MKL_CBWR", "determinism.mkldnn_enabled"}
+    assert all(d.breaks for d in found.values())
+    assert "STRICT makes its GEMMs the same for any thread count" in found["env_vars.MKL_CBWR"].reason
+    assert "splits reductions by thread" in found["determinism.mkldnn_enabled"].reason
+    # control: another MKL variable keeps the generic reason
+    other = dataclasses.replace(BASE, env_vars={**BASE.env_vars, "MKL_DYNAMIC": "FALSE"})
+    (d,) = diff_env(BASE, other)
+    assert d.reason.startswith("BLAS and OpenMP settings")

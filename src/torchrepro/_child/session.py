@@ -2,11 +2,12 @@
 python children a script starts (``_child.children``), torn down at exit.
 
 Invariants:
-- ``configure`` seeds and sets the switches before the script's first line, and installs the hooks
-  (``_child.hooks``) before the script can create an optimizer or a DataLoader; with an audit spec
-  the audit's settings probe (``_child.probe``) is installed first (once per process), and counts
-  the session's backward steps as training; an audited python child writes its op record
-  as ``runrecord.ops_process_path`` when it has no rank of its own.
+- ``configure`` seeds and sets the switches (and, with ``portable``, turns oneDNN off) before the
+  script's first line, and installs the hooks (``_child.hooks``) before the script can create an
+  optimizer or a DataLoader; with an audit spec the audit's settings probe (``_child.probe``) is
+  installed first (once per process), and counts the session's backward steps as training; an
+  audited python child writes its op record as ``runrecord.ops_process_path`` when it has no rank
+  of its own, with the facts ``audit.threads`` notes about each op's calls.
 - The events file is chosen at the first event (``rankclaim.RankClaim``): the process group's rank
   if initialised, else the rank the environment names, else 0; a rank a script-started process
   already records is not written twice.
@@ -119,9 +120,10 @@ class Session:
         if not self.spec.ops_out:
             return
         try:
+            from torchrepro.audit.threads import facts
             from torchrepro.tracing import OpRecorder
 
-            self.ops_recorder = OpRecorder()
+            self.ops_recorder = OpRecorder(facts=facts)
             self.ops_recorder.start()
         except Exception as exc:
             print(f"torchrepro bootstrap: op recording unavailable: {exc}", file=sys.stderr)
@@ -263,9 +265,13 @@ def _write_env(record_dir: str, script: str | None) -> None:
 
 
 def _configure(spec: ChildSpec) -> None:
-    """Threads, seeds and switches, before the script's first line."""
+    """Threads, portable mode, seeds and switches, before the script's first line."""
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
+    if spec.portable:
+        from torchrepro.portable import disable_onednn
+
+        disable_onednn()
     if spec.seed is not None:
         from torchrepro.seeding import seed_everything
 

@@ -6,8 +6,9 @@ Invariants:
 - A spec is validated when it is built (``__post_init__``), before any process or directory is
   created; ``from_env`` validates the same way, so a child never runs on a half-read spec.
 - ``to_env`` also sets the process-start variables only a launcher can set (``PYTHONHASHSEED``,
-  ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``) and drops every
-  ``TORCHREPRO_*`` variable of the base environment, so the caller's own settings never leak in.
+  ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``, and with
+  ``portable`` ``MKL_CBWR``: ``portable.start_values``) and drops every ``TORCHREPRO_*`` variable of
+  the base environment, so the caller's own settings never leak in.
 - A recorded spec (and an audit's) puts ``SITE_DIR`` first on the child's ``PYTHONPATH``: every
   python the script starts itself is configured by ``_child.children`` (a ``PARENT_RANK_VAR``
   mark tells a child whether its ``RANK`` is its own or inherited).
@@ -24,6 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from torchrepro.errors import SettingsError
+from torchrepro.portable import CPU_CAPABILITIES, CPU_CAPABILITY_VAR, start_values
 
 __all__ = [
     "BACKWARD_STEPS",
@@ -60,9 +62,6 @@ SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 """Holds the ``sitecustomize`` a recorded run's children find first on ``PYTHONPATH``: every
 python the script starts itself (ranks, ``subprocess`` of ``sys.executable``) is configured too."""
 
-CPU_CAPABILITY_VAR = "ATEN_CPU_CAPABILITY"
-CPU_CAPABILITIES = ("default", "avx2", "avx512", "sve256", "zvector")
-"""Values of ``ATEN_CPU_CAPABILITY`` PyTorch accepts (the ISA its CPU kernels are dispatched to)."""
 
 # field name -> (variable, kind). ``kind`` says how the value is written and parsed.
 _VARIABLES: dict[str, tuple[str, str]] = {
@@ -79,6 +78,7 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "audit_settings_out": ("AUDIT_SETTINGS_OUT", "path"),
     "num_workers": ("NUM_WORKERS", "str"),
     "cpu_capability": ("CPU_CAPABILITY", "str"),
+    "portable": ("PORTABLE", "bool"),
 }
 
 LOCATION_VARIABLES = (
@@ -124,7 +124,9 @@ class ChildSpec:
     ``num_workers``: ``"other"`` maps every DataLoader's ``num_workers`` to a different value
     (0 -> 2, n -> 0; ``check --vary workers``), a number pins it. ``hash_seed`` overrides the
     derived ``PYTHONHASHSEED`` (``--vary hashseed``). ``cpu_capability`` pins the CPU ISA torch
-    dispatches to (``ATEN_CPU_CAPABILITY``). ``trace_step``/``trace_out`` trace the ops of step
+    dispatches to (``ATEN_CPU_CAPABILITY``). ``portable``: the child starts with portable mode's
+    variables (``portable.start_values``: ``MKL_CBWR``, the CPU ISA) and turns oneDNN off before the
+    script runs. ``trace_step``/``trace_out`` trace the ops of step
     ``trace_step`` of optimizer ``trace_optimizer`` to ``<trace_out>.rank<R>``; ``ops_out`` records
     every op (the audit) to ``<ops_out>.rank<R>.json``; ``max_steps`` ends the run with exit code
     0 after that many optimizer steps.
@@ -144,6 +146,7 @@ class ChildSpec:
     num_workers: str | None = None
     cpu_capability: str | None = None
     hash_seed: int | None = None
+    portable: bool = False
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES
@@ -175,6 +178,8 @@ class ChildSpec:
             raise SettingsError("trace_step and trace_out go together: give both or neither")
         if self.num_workers is not None and not re.fullmatch(r"other|[0-9]+", self.num_workers):
             raise SettingsError(f"num_workers must be 'other' or a count >= 0, got {self.num_workers!r}")
+        if not isinstance(self.portable, bool):
+            raise SettingsError(f"portable must be True or False, got {self.portable!r}")
         if self.cpu_capability is not None and self.cpu_capability not in CPU_CAPABILITIES:
             raise SettingsError(
                 f"cpu_capability must be one of {CPU_CAPABILITIES}, got {self.cpu_capability!r}"
@@ -209,9 +214,9 @@ class ChildSpec:
         }
         for name, (var, _) in _VARIABLES.items():
             value = getattr(self, name)
-            if value is None or (name == "trace_optimizer" and self.trace_step is None):
+            if value is None or value is False or (name == "trace_optimizer" and self.trace_step is None):
                 continue
-            env[ENV_PREFIX + var] = str(value)
+            env[ENV_PREFIX + var] = "1" if value is True else str(value)
         if self.seed is not None:
             hash_seed = python_hash_seed(self.seed) if self.hash_seed is None else self.hash_seed
             env["PYTHONHASHSEED"] = str(hash_seed)
@@ -222,6 +227,8 @@ class ChildSpec:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
         if self.cpu_capability is not None:
             env[CPU_CAPABILITY_VAR] = self.cpu_capability
+        if self.portable:
+            env.update(start_values(env, cpu_capability=self.cpu_capability))
         if self.record_dir is not None or self.audit_settings_out is not None:
             entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
             env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *entries])
@@ -236,7 +243,11 @@ class ChildSpec:
             text = env.get(ENV_PREFIX + var)
             if text is None or text == "":
                 continue
-            if kind == "int":
+            if kind == "bool":
+                if text not in ("0", "1"):
+                    raise SettingsError(f"{ENV_PREFIX + var} must be 0 or 1, got {text!r}")
+                values[name] = text == "1"
+            elif kind == "int":
                 try:
                     values[name] = int(text)
                 except ValueError:

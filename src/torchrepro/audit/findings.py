@@ -25,7 +25,8 @@ class Finding:
     """One thing that breaks (or may break) bitwise reproducibility, with where and how to fix it.
 
     ``code`` is stable (``TR1xx`` ops, ``TR2xx`` settings, ``TR3xx`` data loading and seeds,
-    ``TR4xx`` compilation, ``TR5xx`` processes, ``TR0xx`` about the audit itself); ``severity``
+    ``TR4xx`` compilation, ``TR5xx`` processes, ``TR6xx`` CPU results that change with the
+    thread count, ``TR0xx`` about the audit itself); ``severity``
     is ``error`` (raises under strict mode on CUDA, or stays nondeterministic whatever the
     switches), ``warning`` or ``info``; ``op`` the aten op (or None); ``module`` and
     ``location`` (``file:line``) the user's code.

@@ -1,8 +1,9 @@
 """The audit report of a run: every rule applied, the findings sorted, what was seen.
 
 Invariants:
-- ``report`` applies the table rules (TR001/TR002), the op rules and, when the probe wrote its
-  record, the settings rules, and lists the findings by ``findings.sort_key``; it runs nothing.
+- ``report`` applies the table rules (TR001/TR002), the op rules, the thread rules (TR6xx, from
+  the facts the recorder noted) and, when the probe wrote its record, the settings rules, and
+  lists the findings by ``findings.sort_key``; it runs nothing.
 - ``AuditReport.to_dict()`` is the object ``audit --json`` prints: ``findings`` (each with the
   keys of ``Finding.to_dict()``), ``script``, ``steps``, ``optimizer_steps``, ``ops_recorded``,
   ``torch_version``, ``table_release`` and ``settings`` (``ProbeSettings.to_dict()``, ``{}`` when
@@ -25,6 +26,7 @@ from torchrepro.audit.op_rules import as_event, audit_ops, table_findings
 from torchrepro.audit.optable import _load_table
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.audit.settings_rules import audit_settings, processes, steps_of
+from torchrepro.audit.threads import audit_threads
 
 __all__ = ["AuditReport", "report"]
 
@@ -80,10 +82,10 @@ class AuditReport:
 
 
 def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSettings | None) -> AuditReport:
-    """The audit report of a run: table, op and settings findings, most severe first
+    """The audit report of a run: table, op, thread and settings findings, most severe first
     (``settings`` None: the probe wrote nothing, and no setting is judged)."""
     calls = settings.calls if settings is not None else ()
-    findings = table_findings() + audit_ops(events, calls=calls)
+    findings = table_findings() + audit_ops(events, calls=calls) + audit_threads(events)
     if settings is not None:
         findings += audit_settings(settings, events=events)
     steps_done = settings.optimizer_steps if settings is not None else None

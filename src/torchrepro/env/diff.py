@@ -192,6 +192,11 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "CPU reductions are split across threads; another split changes float sums",
     ),
     (
+        r"determinism\.mkldnn_enabled$",
+        True,
+        "oneDNN on or off: its convolution backward splits reductions by thread (--portable turns it off)",
+    ),
+    (
         r"determinism(\.|$)",
         True,
         "a determinism or precision switch; it changes which kernels run or how they round",
@@ -203,6 +208,12 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
     ),
     (r"env_vars\.NVIDIA_TF32_OVERRIDE$", True, "forces TF32 on or off for every matmul and convolution"),
     (r"env_vars\.NCCL_", True, "NCCL tuning can change the reduction algorithm, protocol and order"),
+    (
+        r"env_vars\.MKL_CBWR$",
+        True,
+        "oneMKL's conditional numerical reproducibility: the branch picks its code path, and STRICT "
+        "makes its GEMMs the same for any thread count (--portable turns strict mode on)",
+    ),
     (
         r"env_vars\.(MKL_|OMP_|KMP_|GOMP_|OPENBLAS_)",
         True,

@@ -5,18 +5,24 @@ Invariants:
   order, with a count.
 - Ops of profiler markers, of fingerprinting and of forked processes pass through unrecorded;
   recording changes no numerics and no RNG state.
+- ``facts`` (optional) is asked about every call after it ran; what it says (a short text, or
+  None) is kept with the event, at most ``MAX_FACTS`` distinct texts each. It must only read.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from torchrepro.hashing import fingerprinting
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
-from torchrepro.tracing.ops import OpEvent
+from torchrepro.tracing.ops import MAX_FACTS, OpEvent
+
+Facts = Callable[[str, tuple[Any, ...], dict[str, Any], Any], "str | None"]
+"""``facts(op, args, kwargs, out)``: what to note about one call of ``op`` (None: nothing)."""
 
 # --------------------------------------------------------------------------------------------
 # OpRecorder: which ops ran, where (for audit)
@@ -41,20 +47,26 @@ class OpRecorder(_Observer):
 
     _what = "OpRecorder"
 
-    def __init__(self) -> None:
+    def __init__(self, *, facts: Facts | None = None) -> None:
         super().__init__()
         self._counts: dict[tuple[str, str | None, str | None, bool], int] = {}
+        self._facts = facts
+        self._noted: dict[tuple[str, str | None, str | None, bool], list[str]] = {}
         self._events: list[OpEvent] = []
 
     def start(self) -> None:
         """Start recording (raises ``TraceError`` if already started)."""
         self._counts = {}
+        self._noted = {}
         self._start()
 
     def stop(self) -> list[OpEvent]:
         """Stop recording and return the events (also kept as :attr:`events`)."""
         self._stop()
-        self._events = [OpEvent(op, m, loc, bw, n) for (op, m, loc, bw), n in self._counts.items()]
+        self._events = [
+            OpEvent(op, m, loc, bw, n, tuple(self._noted.get((op, m, loc, bw), ())))
+            for (op, m, loc, bw), n in self._counts.items()
+        ]
         return list(self._events)
 
     @property
@@ -71,8 +83,13 @@ class OpRecorder(_Observer):
             module, location, backward = sites.attribute(sys._getframe(1))
         out = func(*args, **kwargs)
         key = (name, module, location, backward)
+        fact = self._facts(name, args, kwargs, out) if self._facts is not None else None
         with self._lock:
             self._counts[key] = self._counts.get(key, 0) + 1
+            if fact is not None:
+                noted = self._noted.setdefault(key, [])
+                if fact not in noted and len(noted) < MAX_FACTS:
+                    noted.append(fact)
             if not backward or torch.is_grad_enabled():
                 sites.remember(out, (module, location))
         return out

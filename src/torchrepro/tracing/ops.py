@@ -23,6 +23,9 @@ _FORMAT_VERSION: Final = 1
 _LEGACY_DIGEST: Final = "sha1"
 """The digest algorithm of traces written before the header named one."""
 
+MAX_FACTS: Final = 3
+"""The most facts an ``OpEvent`` keeps (the first distinct ones)."""
+
 _COLLECTIVE_NAMESPACES: Final = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
@@ -39,7 +42,9 @@ class OpEvent:
     path of the module that ran it (``None`` outside any module); ``location`` the ``file:line`` of
     user code that issued it (for a backward op of a built-in function: the forward line that
     created it); ``backward`` whether it ran inside autograd's backward; ``count`` how many times
-    this (op, module, location, backward) combination ran.
+    this (op, module, location, backward) combination ran; ``facts`` what the recorder's ``facts``
+    function said about its calls (the audit's: why a call's CPU result depends on the thread
+    count), distinct, in first-seen order, at most ``MAX_FACTS``.
     """
 
     op: str
@@ -47,10 +52,15 @@ class OpEvent:
     location: str | None
     backward: bool
     count: int = 1
+    facts: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict (``OpEvent.from_dict`` reads it back)."""
-        return dataclasses.asdict(self)
+        """A JSON-able dict (``OpEvent.from_dict`` reads it back); ``facts`` only when there are some."""
+        d = dataclasses.asdict(self)
+        d["facts"] = list(self.facts)
+        if not self.facts:
+            del d["facts"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OpEvent:
@@ -66,7 +76,12 @@ class OpEvent:
             raise TraceError(f"An op event needs 'module' and 'location' as strings or null; got {d!r}.")
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise TraceError(f"An op event needs 'count' as a positive integer; got {d!r}.")
-        return cls(op=op, module=module, location=location, backward=backward, count=count)
+        facts = d.get("facts", [])
+        if not isinstance(facts, list) or not all(isinstance(f, str) for f in facts):
+            raise TraceError(f"An op event needs 'facts' as a list of strings when given; got {d!r}.")
+        return cls(
+            op=op, module=module, location=location, backward=backward, count=count, facts=tuple(facts)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
