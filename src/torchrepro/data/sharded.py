@@ -18,6 +18,8 @@ Invariants:
 from __future__ import annotations
 
 import inspect
+import io
+import pickle
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Final
 
@@ -190,13 +192,13 @@ class _ShardTasks(torch.utils.data.Dataset[Any]):
     def __len__(self) -> int:
         return len(self.source.shards)
 
-    def __getitem__(self, task: _Task) -> tuple[int, list[tuple[int, Any]], int]:
+    def __getitem__(self, task: _Task) -> tuple[int, list[tuple[int, Any]] | bytes, int]:
         epoch, index, position, start, mark = task
         if mark != _TASK_MARK:
             raise TypeError("a streaming SeededLoader's inner dataset is indexed by its own tasks only")
         if get_worker_info() is not None:
             samples, length = self.source.read(self.seed, epoch, index, start)
-            return position, samples, length
+            return position, _pack(samples), length
         np = numpy_or_none()
         saved = (_python_mt.save(), _numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
         try:
@@ -207,6 +209,45 @@ class _ShardTasks(torch.utils.data.Dataset[Any]):
                 _numpy_mt.restore(np, saved[1])
             torch.set_rng_state(saved[2])
         return position, samples, length
+
+
+# A shard's samples leave a worker as one pickled buffer. Handed over as they are, its many small
+# tensors would each go through a shared-memory segment of their own, and pickled plainly each
+# through torch.save's machinery (each about 80 us: a third of the throughput at 50 samples of
+# 100 us, measured); as NumPy arrays they pickle at memory speed and come back as the same tensors.
+_NUMPY_DTYPES = {
+    torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16, torch.int32,
+    torch.int64, torch.bool, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+_HAS_NUMPY = numpy_or_none() is not None  # without NumPy tensors pickle the ordinary way
+
+
+def _tensor_from_numpy(array: Any) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class _Packer(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and _HAS_NUMPY
+            and obj.device.type == "cpu"
+            and obj.layout is torch.strided
+            and not obj.requires_grad
+            and obj.dtype in _NUMPY_DTYPES
+            and not obj.is_conj()
+            and not obj.is_neg()
+        ):
+            return _tensor_from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+def _pack(samples: list[tuple[int, Any]]) -> bytes:
+    out = io.BytesIO()
+    _Packer(out, protocol=pickle.HIGHEST_PROTOCOL).dump(samples)
+    return out.getvalue()
 
 
 def _as_is(result: Any) -> Any:

@@ -31,6 +31,16 @@ class ShuffleBuffer:
         self.items: list[Any] = []
         self.emitted = 0
         self._key = _Deriver(seed, ("shuffle", epoch), 3)
+        self._keys: list[int] = []
+        self._keys_from = 0
+
+    def _slot(self, k: int) -> int:
+        """``key(k)``, derived 256 at a time."""
+        at = k - self._keys_from
+        if not 0 <= at < len(self._keys):
+            self._keys_from, self._keys = k, self._key.many(range(k, k + 256))
+            at = 0
+        return self._keys[at]
 
     def push(self, item: Any) -> Any | None:
         """Add the stream's next item; the item emitted in exchange, or None while filling."""
@@ -38,7 +48,7 @@ class ShuffleBuffer:
         if len(items) < self.capacity:
             items.append(item)
             return None
-        slot = self._key.one(self.emitted) % self.capacity
+        slot = self._slot(self.emitted) % self.capacity
         out = items[slot]
         items[slot] = item
         self.emitted += 1
@@ -48,7 +58,7 @@ class ShuffleBuffer:
         """The rest, once the stream has ended."""
         items = self.items
         while items:
-            slot = self._key.one(self.emitted) % len(items)
+            slot = self._slot(self.emitted) % len(items)
             out = items[slot]
             items[slot] = items[-1]
             items.pop()

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -383,8 +384,9 @@ def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
     contents: dict[tuple[int, int], Any] = {}
 
     def sequence() -> Iterator[Any]:
-        for p, samples, length in shards:
+        for p, result, length in shards:
             pos.lengths[order[p]] = length
+            samples = pickle.loads(result) if isinstance(result, bytes) else result  # from a worker
             wanted = needed.pop(p, ())
             for o, sample in samples:
                 ident = (p, o)
