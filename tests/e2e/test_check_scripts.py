@@ -398,3 +398,15 @@ def test_two_optimizers_are_counted_as_optimizer_steps_and_two_models_told_apart
         "optimizer0",
         "grad:netD.main.0.weight",
     )
+
+
+def test_vary_workers_on_a_stream_of_shards_is_reproducible_through_seeded_loader(tmp_path: Path) -> None:
+    """The batches the loop receives from a streamed SeededLoader are recorded (not the shards
+    its workers hand over), and they are the same with 2 workers and none; the plain DataLoader
+    over the same ShardedDataset is caught at its first batch."""
+    code, verdict, err = check(tmp_path, "--vary", "workers", script("stream_shards.py"), "seeded")
+    assert (code, verdict["reproducible"]) == (0, True), err
+    assert verdict["coverage"]["per_kind"]["data"] == verdict["coverage"]["per_kind"]["compute"] == 26
+    code, verdict, err = check(tmp_path, "--vary", "workers", script("stream_shards.py"), "plain")
+    assert code == 1, err
+    assert (verdict["first_divergence"]["kind"], verdict["first_divergence"]["step"]) == ("data", 0)

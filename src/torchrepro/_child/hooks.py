@@ -241,33 +241,55 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
             created[id(dataset)] = (dataset, source)
         object.__setattr__(self, "_torchrepro_src", source)
 
-    def iter_wrapper(self: Any) -> Any:
-        with _recorder.paused():
-            it = original_iter(self)
-        key = self.__dict__.get("_torchrepro_loader")
+    def loader_key(loader: Any) -> int | None:
+        """The number of ``loader`` in the run's data events (given at its first pass)."""
+        key: int | None = loader.__dict__.get("_torchrepro_loader")
         if key is None and recorder is not None:
             key = recorder.n_loaders
             recorder.n_loaders += 1
             recorder.loader_batches[key] = 0
-            object.__setattr__(self, "_torchrepro_loader", key)
-        it._torchrepro_loader = key
+            object.__setattr__(loader, "_torchrepro_loader", key)
+        return key
+
+    def record_batch(key: int | None, source: str | None, batch: Any) -> None:
+        if key is not None and recorder is not None:
+            index = recorder.loader_batches.get(key, 0)
+            recorder.loader_batches[key] = index + 1
+            recorder.write("data", f"loader{key}", index, batch, source=source)
+
+    def iter_wrapper(self: Any) -> Any:
+        with _recorder.paused():
+            it = original_iter(self)
+        # A loader whose torch iterator moves something else than the batches (a streamed
+        # SeededLoader's shards) records the batches its own iterator delivers (below).
+        own = getattr(type(self), "_tr_batches_elsewhere", False)
+        it._torchrepro_loader = None if own else loader_key(self)
         it._torchrepro_src = self.__dict__.get("_torchrepro_src")
         return it
 
     def next_wrapper(self: Any) -> Any:
         with _recorder.paused():
             batch = original_next(self)
-        key = self.__dict__.get("_torchrepro_loader")
-        if key is not None and recorder is not None:
-            index = recorder.loader_batches.get(key, 0)
-            recorder.loader_batches[key] = index + 1
-            source = self.__dict__.get("_torchrepro_src")
-            recorder.write("data", f"loader{key}", index, batch, source=source)
+        record_batch(self.__dict__.get("_torchrepro_loader"), self.__dict__.get("_torchrepro_src"), batch)
         return batch
 
     loader_cls.__init__ = init_wrapper
     loader_cls.__iter__ = iter_wrapper
     iter_cls.__next__ = next_wrapper
+
+    from torchrepro.data import loader as seeded
+
+    original_seeded_next = seeded._SeededLoaderIter.__next__
+
+    def seeded_next_wrapper(self: Any) -> Any:
+        with _recorder.paused():
+            batch = original_seeded_next(self)
+        loader = self._loader
+        if getattr(type(loader), "_tr_batches_elsewhere", False):
+            record_batch(loader_key(loader), loader.__dict__.get("_torchrepro_src"), batch)
+        return batch
+
+    seeded._SeededLoaderIter.__next__ = seeded_next_wrapper  # type: ignore[method-assign]
 
 
 def install_world_hook(on_join: Callable[[int, int], None]) -> None:

@@ -93,6 +93,10 @@ class StreamingLoader(SeededLoader):
     shards that still hold samples. The loader has no length (``len()`` raises ``TypeError``).
     """
 
+    # Its torch iterator moves shards, not batches: a run's recorder takes the batches from the
+    # loader's own iterator instead (``_child.hooks``).
+    _tr_batches_elsewhere = True
+
     def __init__(
         self,
         dataset: ShardedDataset,
