@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torchrepro.checkpoint import (
         latest_checkpoint,
         load_checkpoint,
+        prune_checkpoints,
         save_checkpoint,
         wait_for_checkpoints,
     )
@@ -83,6 +84,7 @@ __all__ = [
     "fork_rng",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "record",
     "relaunch",
     "reproducible",
@@ -130,6 +132,7 @@ _WHERE = {
     "InvariantDataParallel": "invariant",
     "sample_rng": "data",
     "latest_checkpoint": "checkpoint",
+    "prune_checkpoints": "checkpoint",
     "load_checkpoint": "checkpoint",
     "save_checkpoint": "checkpoint",
     "wait_for_checkpoints": "checkpoint",

@@ -118,10 +118,24 @@ def new_run_id() -> str:
     return f"{stamp}-{os.getpid()}-{os.urandom(6).hex()}"
 
 
+RECORDS_GITIGNORE = "# torchrepro's run and check records (torchrepro clean removes old ones)\n*\n"
+
+
+def _ignore_records(base: Path) -> None:
+    """Give the ``.torchrepro`` directory above ``base`` a ``.gitignore`` of everything, once (a
+    file already there is the user's and left as it is)."""
+    for directory in (base, *base.parents):
+        if directory.name == ".torchrepro":
+            with contextlib.suppress(OSError), open(directory / ".gitignore", "x", encoding="utf-8") as f:
+                f.write(RECORDS_GITIGNORE)
+            return
+
+
 def new_run_dir(root: str | os.PathLike[str] = ".torchrepro/runs") -> Path:
     """Create and return a fresh run directory under ``root`` (never an existing one)."""
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
+    _ignore_records(base)
     for _ in range(100):
         path = base / new_run_id()
         try:

@@ -22,7 +22,7 @@ from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from torchrepro.checkpoint.format import FORMAT_VERSION
-    from torchrepro.checkpoint.reading import latest_checkpoint
+    from torchrepro.checkpoint.reading import latest_checkpoint, prune_checkpoints
     from torchrepro.checkpoint.restore import load_checkpoint
     from torchrepro.checkpoint.writing import save_checkpoint, wait_for_checkpoints
 
@@ -30,6 +30,7 @@ __all__ = [
     "FORMAT_VERSION",
     "latest_checkpoint",
     "load_checkpoint",
+    "prune_checkpoints",
     "save_checkpoint",
     "wait_for_checkpoints",
 ]
@@ -37,6 +38,7 @@ __all__ = [
 _WHERE = {
     "FORMAT_VERSION": "format",
     "latest_checkpoint": "reading",
+    "prune_checkpoints": "reading",
     "load_checkpoint": "restore",
     "save_checkpoint": "writing",
     "wait_for_checkpoints": "writing",

@@ -398,6 +398,48 @@ def latest_checkpoint(
     return None
 
 
+def prune_checkpoints(directory: str | os.PathLike[str], keep: int) -> list[str]:
+    """Remove all but the ``keep`` most recently saved checkpoints in ``directory``; return the
+    paths removed, oldest first.
+
+    "Most recently saved" is the save clock inside each file, as for ``latest_checkpoint``. Call
+    it after ``save_checkpoint`` (on every rank under ``torch.distributed``: each rank removes
+    its own files, rank 0 the main ones, rank ``r`` its ``.rank<r>`` files, ordered by their own
+    clocks, so no rank needs a file another rank may be removing). Only files this process can
+    read as torchrepro checkpoints are counted and removed: anything else in the directory (a
+    corrupt or foreign file, a write in progress) is left alone. It first waits for this
+    process's background fsyncs there, so the checkpoint just saved is on disk before an older
+    one goes.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"prune_checkpoints(keep=...) must be an int >= 1 (checkpoints kept), got {keep!r}.")
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    _wait_pending(root)
+    rank, _ = process_group()
+    suffix = f".rank{rank}"
+    mine = []
+    for file in sorted(root.iterdir()):
+        if rank == 0 and not _looks_like_checkpoint(file):
+            continue
+        if rank > 0 and not (
+            file.name.endswith(suffix) and _looks_like_checkpoint(file.with_name(file.name[: -len(suffix)]))
+        ):
+            continue
+        try:
+            meta = _read(file, mmap=True)["meta"]
+        except CheckpointError:
+            continue
+        mine.append(((meta["saved_at_ns"], meta["sequence"], file.name), file))
+    removed = []
+    for _, file in sorted(mine)[: max(len(mine) - keep, 0)]:
+        with contextlib.suppress(FileNotFoundError):
+            file.unlink()
+            removed.append(str(file))
+    return removed
+
+
 def _looks_like_checkpoint(file: Path) -> bool:
     """Named like a checkpoint (whatever it is: ``_read`` refuses, and the caller warns about, one
     that is not a readable file), or a regular file that starts like a torch zip file."""

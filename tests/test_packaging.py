@@ -1,0 +1,32 @@
+"""What a team adopting the package gets: the license text the metadata names, classifiers and
+project URLs, and an sdist without the CI scripts or local records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_license_file_ships_and_matches_the_metadata() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_metadata_has_classifiers_urls_and_extras() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(c.startswith("Programming Language :: Python :: 3.1") for c in meta["classifiers"])
+    assert "Typing :: Typed" in meta["classifiers"] and (ROOT / "src/torchrepro/py.typed").exists()
+    assert {"Homepage", "Documentation", "Issues"} <= set(meta["urls"])
+    extras = set(meta["optional-dependencies"])
+    assert {"lightning", "transformers", "accelerate", "datasets", "numpy"} <= extras
+
+
+def test_sdist_leaves_out_ci_and_local_records() -> None:
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]
+    assert {".ci", ".torchrepro"} <= set(build["sdist"]["exclude"])
