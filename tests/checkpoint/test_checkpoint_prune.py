@@ -12,6 +12,7 @@ import torch
 import torchrepro
 
 
+@pytest.mark.usefixtures("rng_changes_ok")  # building the model draws its initial weights
 def test_keeps_the_newest_by_save_clock_not_by_name_or_mtime(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 1)
     names = ["c.pt", "a.pt", "e.pt", "b.pt", "d.pt"]  # saved in this order
