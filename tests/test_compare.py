@@ -15,11 +15,13 @@ import torch
 from torchrepro.compare import (
     FINAL_NOT_LOCATED,
     UNRECORDED_REASON,
+    WORLD_NOT_LOCATED,
     Comparison,
     Coverage,
     Divergence,
     RankCursor,
     TensorDifference,
+    WorldScope,
     _pick_source,
     compare_runs,
     coverage,
@@ -28,8 +30,10 @@ from torchrepro.compare import (
     optimizer_steps,
     steps_compared,
     tensor_difference,
+    world_cursor,
 )
 from torchrepro.env import Environment
+from torchrepro.events import BACKWARD_KEY, FINAL_KEY
 from torchrepro.runrecord import (
     RunSettings,
     events_path,
@@ -744,3 +748,144 @@ def test_compare_passes_a_threads_difference_to_the_op_locator(
     trace_path(trace_prefix(run, 0), 0).write_text("{}")
     compare_runs(tmp_path / "a", tmp_path / "c")
     assert seen == [None]
+
+
+# --- across world sizes ---------------------------------------------------------------------------
+
+
+def split_training(steps: int, *, world: int, rank: int, fps: dict[int, str] | None = None) -> list[Event]:
+    """A rank's events when a global batch of 4 micro-batches is split across ``world`` processes:
+    its own batches, backward() steps and loss differ by rank and world, its optimizer steps do not."""
+    fps = fps or {}
+    events = [ev(0, "init", "optimizer0", 0, "init")]
+    for step in range(steps):
+        for j in range(4 // world):
+            micro = step * 4 + rank * (4 // world) + j
+            events.append(ev(len(events), "data", "loader0", step * (4 // world) + j, f"d{micro}"))
+            events.append(ev(len(events), "compute", BACKWARD_KEY, micro, f"g{micro}"))
+        events.append(ev(len(events), "compute", "optimizer0", step, fps.get(step, f"c{step}")))
+        events.append(ev(len(events), "record", "loss", step, f"loss{world}.{rank}.{step}"))
+    events.append(ev(len(events), "compute", FINAL_KEY, steps, "end"))
+    return events
+
+
+def world_records(
+    tmp_path: Path, *, steps: int = 3, fps: dict[int, dict[int, str]] | None = None, ranks: int = 2
+) -> tuple[Path, Path]:
+    """A record on 1 process and one on 2 (``fps``: rank of the second -> step -> fingerprint)."""
+    fps = fps or {}
+    one = make_record(
+        tmp_path / "one", {0: split_training(steps, world=1, rank=0)}, settings=RunSettings(nproc=1)
+    )
+    two = make_record(
+        tmp_path / "two",
+        {r: split_training(steps, world=2, rank=r, fps=fps.get(r)) for r in range(ranks)},
+        settings=RunSettings(nproc=2),
+    )
+    return one, two
+
+
+def test_records_on_different_world_sizes_compare_only_what_must_not_depend_on_the_split(
+    tmp_path: Path,
+) -> None:
+    one, two = world_records(tmp_path)
+    assert compare_runs(one, one).world is None  # the same world size: every event, rank by rank
+    for a, b in ((one, two), (two, one)):
+        result = compare_runs(a, b)
+        assert result.reproducible is True and result.first_divergence is None
+        assert result.world == WorldScope(1, 2) and result.steps_compared == 3
+        per_rank = {"init": 1, "compute": 3, "final": 1}  # no batch, backward() step or recorded value
+        assert result.coverage == Coverage(per_rank={0: per_rank, 1: per_rank}, ranks_expected=(0, 1))
+        data = result.to_dict()
+        assert data["world"] == WorldScope(1, 2).to_dict()
+        assert any(
+            n.startswith("compared across world sizes: rank 0 of the run on 1 process") for n in data["notes"]
+        )
+    # rank by rank, the same records part at the first batch the split moves (the second one)
+    assert (
+        compare_runs(
+            one, make_record(tmp_path / "one2", {0: split_training(3, world=2, rank=0)})
+        ).reproducible
+        is False
+    )
+
+
+def test_an_optimizer_step_differing_across_world_sizes_is_named_with_why(tmp_path: Path) -> None:
+    one, two = world_records(tmp_path, fps={1: {1: "other"}})
+    result = compare_runs(one, two)
+    d = result.first_divergence
+    assert d is not None and (d.kind, d.step, d.rank, d.key) == ("compute", 1, 1, "optimizer0")
+    assert result.reproducible is False and result.reason is not None
+    assert result.reason.startswith(
+        "optimizer step 1 differs between 1 and 2 processes (rank 1 of the run on 2 processes)"
+    )
+    assert WORLD_NOT_LOCATED in result.notes  # op traces of different splits are never compared
+
+
+@pytest.mark.parametrize(
+    ("name", "unmatched", "words"),
+    [
+        ("grad:fc.weight", False, "the gradients the step used already differ"),
+        ("state:fc.weight:momentum_buffer", False, "although the gradients the step used are equal"),
+        (None, True, "did not take the same optimizer steps"),
+        (None, False, "optimizer step 0 differs between 1 and 2 processes"),
+    ],
+)
+def test_why_runs_on_different_world_sizes_part(name: str | None, unmatched: bool, words: str) -> None:
+    d = Divergence(step=0, rank=1, kind="compute", key="optimizer0", name=name, unmatched=unmatched)
+    assert words in WorldScope(1, 2).divergence_reason(d)
+    init = Divergence(step=0, rank=0, kind="init", key="optimizer0", name="param:fc.weight")
+    assert "initial weights depend on the number of processes" in WorldScope(1, 4).divergence_reason(init)
+    final = Divergence(step=3, rank=0, kind="compute", key=FINAL_KEY, name="final:model.bn.running_mean")
+    assert "state at exit of model differs" in WorldScope(1, 2).divergence_reason(final)
+
+
+def test_a_rank_missing_from_the_larger_world_diverges(tmp_path: Path) -> None:
+    one, two = world_records(tmp_path, ranks=1)  # settings say 2 processes; rank 1 wrote nothing
+    result = compare_runs(one, two)
+    d = result.first_divergence
+    assert d is not None and (d.rank, d.kind) == (1, "init") and result.reproducible is False
+
+
+def test_no_optimizer_step_across_world_sizes_is_inconclusive(tmp_path: Path) -> None:
+    # batches and backward() steps alone say nothing about whether the result depends on the split
+    one = make_record(
+        tmp_path / "one", {0: split_training(2, world=1, rank=0)[1:4]}, settings=RunSettings(nproc=1)
+    )
+    two = make_record(
+        tmp_path / "two",
+        {r: split_training(2, world=2, rank=r)[1:4] for r in range(2)},
+        settings=RunSettings(nproc=2),
+    )
+    result = compare_runs(one, two)
+    assert result.reproducible is None and result.first_divergence is None
+    assert result.reason is not None and result.reason.startswith(
+        "no optimizer step was compared on any rank"
+    )
+
+
+def test_a_world_cursor_skips_what_may_differ_as_events_arrive() -> None:
+    a: list[Event] = []
+    b: list[Event] = []
+    cursor = world_cursor(1, a, b)
+    a.extend(split_training(2, world=1, rank=0))
+    b.extend(split_training(2, world=2, rank=1)[:6])  # init, 2 batches, 2 backward, step 0
+    assert cursor.advance() is None and cursor.position == 2  # init and step 0 compared
+    b.extend(split_training(2, world=2, rank=1, fps={1: "x"})[6:])
+    d = cursor.advance()
+    assert d is not None and (d.kind, d.step, d.index) == ("compute", 1, 2)
+
+
+def test_fewer_optimizer_steps_on_another_world_size_is_named(tmp_path: Path) -> None:
+    one = make_record(
+        tmp_path / "one", {0: split_training(3, world=1, rank=0)}, settings=RunSettings(nproc=1)
+    )
+    two = make_record(
+        tmp_path / "two",
+        {r: split_training(2, world=2, rank=r) for r in range(2)},
+        settings=RunSettings(nproc=2),
+    )
+    result = compare_runs(one, two)
+    d = result.first_divergence
+    assert d is not None and d.unmatched and (d.kind, d.step) == ("compute", 2)
+    assert result.reason is not None and "did not take the same optimizer steps" in result.reason

@@ -23,6 +23,7 @@ from torchrepro.events import (
     is_step,
     optimizer_index,
     optimizer_key,
+    world_invariant,
 )
 from torchrepro.runrecord import events_path
 
@@ -69,6 +70,22 @@ def test_tensor_names_in_words(name: str, kind: str, words: str) -> None:
 
 
 # --- the one order of divergences ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "invariant"),
+    [
+        ("init", "optimizer0", True),
+        ("init", BACKWARD_KEY, True),
+        ("compute", "optimizer1", True),
+        ("compute", FINAL_KEY, True),
+        ("compute", BACKWARD_KEY, False),  # one per micro-batch: their number depends on the split
+        ("data", "loader0", False),  # each process loads its own part of a global batch
+        ("record", "loss", False),  # a process's own value
+    ],
+)
+def test_what_must_not_depend_on_the_world_size(kind: str, key: str, invariant: bool) -> None:
+    assert world_invariant(kind, key) is invariant
 
 
 def test_kinds_are_listed_in_the_order_a_rank_meets_them_within_a_step() -> None:

@@ -10,6 +10,11 @@ Invariants:
   kind or key) and the second run's event has the earlier step: then the divergence is that
   event's.
 - Records are read through ``runrecord`` (incrementally for live files: ``EventTail``).
+- Runs on different numbers of processes (``check --vary world``; ``compare`` of records whose
+  world sizes differ) are compared as ``WorldScope`` says: rank 0 of the run on fewer processes
+  against every rank of the other, in the events that must not depend on how a global batch is
+  split (``events.world_invariant``) and in nothing else; their op traces are never compared (the
+  processes compute different parts of each global batch).
 - The first differing tensor's largest absolute difference counts equal values (equal
   infinities, NaN in both runs) as no difference; NaN or an infinity against another value is
   an unbounded difference (``nonfinite``, ``max_abs_diff`` None), so every result is strict JSON.
@@ -23,9 +28,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from torchrepro.errors import EnvFileError, ReproError
 from torchrepro.events import (
@@ -35,22 +40,34 @@ from torchrepro.events import (
     earliest,
     is_optimizer_key,
     optimizer_index,
+    world_invariant,
 )
-from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, RunRecord, load_run, read_json, read_uncovered
+from torchrepro.runrecord import (
+    COMMAND_FILE,
+    ENV_FILE,
+    RunRecord,
+    load_run,
+    read_json,
+    read_uncovered,
+    read_world,
+)
 
 __all__ = [
     "FINAL_NOT_LOCATED",
     "UNRECORDED_REASON",
+    "WORLD_NOT_LOCATED",
     "Comparison",
     "Coverage",
     "Divergence",
     "RankCursor",
+    "WorldScope",
     "compare_runs",
     "coverage",
     "final_state_reason",
     "first_divergence",
     "locate_in_traces",
     "optimizer_steps",
+    "world_cursor",
 ]
 
 
@@ -77,6 +94,9 @@ class Divergence:
     name: str | None = None
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
+    unmatched: bool = False
+    """The runs did different things here (one has no event, or an event of another kind or key),
+    rather than the same thing with other values."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``first_divergence`` object of the ``check --json`` verdict."""
@@ -119,13 +139,48 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-class RankCursor:
-    """Compares one rank of two runs event by event as the events arrive."""
+class _Kept(Sequence[dict[str, Any]]):
+    """The events of a list (growing as a live file is read) that ``keep`` accepts, in order."""
 
-    def __init__(self, rank: int, a: list[dict[str, Any]], b: list[dict[str, Any]]) -> None:
+    def __init__(self, events: Sequence[dict[str, Any]], keep: Callable[[dict[str, Any]], bool]) -> None:
+        self._events = events
+        self._keep = keep
+        self._kept: list[dict[str, Any]] = []
+        self._read = 0
+
+    def _catch_up(self) -> list[dict[str, Any]]:
+        while self._read < len(self._events):
+            event = self._events[self._read]
+            self._read += 1
+            if self._keep(event):
+                self._kept.append(event)
+        return self._kept
+
+    def __len__(self) -> int:
+        return len(self._catch_up())
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._catch_up()[i]
+
+
+class RankCursor:
+    """Compares one rank of two runs event by event as the events arrive.
+
+    ``keep``: compare only the events it accepts, skipping the others on each side (a comparison
+    across world sizes: ``world_cursor``); ``position`` then counts the events kept.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        a: Sequence[dict[str, Any]],
+        b: Sequence[dict[str, Any]],
+        *,
+        keep: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
         self.rank = rank
-        self.a = a
-        self.b = b
+        self.a: Sequence[dict[str, Any]] = a if keep is None else _Kept(a, keep)
+        self.b: Sequence[dict[str, Any]] = b if keep is None else _Kept(b, keep)
         self.position = 0
         self.divergence: Divergence | None = None
         self.max_step_compared = -1
@@ -185,6 +240,7 @@ def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, i
         name=name,
         shape=shape,
         dtype=dtype,
+        unmatched=a is None or b is None or different,
     )
 
 
@@ -202,6 +258,137 @@ def _first_differing_leaf(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any
 def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: int = 0) -> Divergence | None:
     """The first divergence between two complete event lists of one rank (None: identical)."""
     return RankCursor(rank, a, b).advance(a_done=True, b_done=True)
+
+
+def _world_event(event: dict[str, Any]) -> bool:
+    return world_invariant(str(event["kind"]), event.get("key"))
+
+
+def world_cursor(rank: int, a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> RankCursor:
+    """A cursor comparing two runs on different numbers of processes in the events that must not
+    depend on the world size: one side is rank 0 of the run on fewer processes, the other rank
+    ``rank`` of the run on more (``WorldScope``)."""
+    return RankCursor(rank, a, b, keep=_world_event)
+
+
+WORLD_COMPARED: Final = (
+    ("init", "the parameters each optimizer is given"),
+    ("compute", "the gradients, optimizer state and parameters of each optimizer step"),
+    ("final", "the state at exit"),
+)
+"""What a comparison across world sizes compares (``events.world_invariant``), in words."""
+
+WORLD_NOT_COMPARED: Final = (
+    ("data", "batches (each process loads its own part of a global batch)"),
+    ("record", "recorded values (a script may record a process's own, e.g. its loss)"),
+    ("backward", "backward() steps (one per micro-batch, so their number depends on the split)"),
+)
+"""What a comparison across world sizes leaves out, and why."""
+
+WORLD_FIX: Final = (
+    "train with torchrepro.SeededLoader(global_batch_size=...) and torchrepro.InvariantDataParallel, "
+    "which make every optimizer step the same bits on any number of processes dividing the "
+    "global batch's micro-batches"
+)
+
+WORLD_NOT_LOCATED: Final = (
+    "not located: op traces of runs on different numbers of processes are not compared op by op "
+    "(each process computes another part of every global batch); the step and tensor above say "
+    "where the runs part"
+)
+"""The note of a divergence across world sizes (locating compares op traces of equal splits)."""
+
+
+def _processes(n: int) -> str:
+    return f"{n} process{'es' if n != 1 else ''}"
+
+
+@dataclass(frozen=True)
+class WorldScope:
+    """A comparison across world sizes: rank 0 of the run on ``reference`` processes against every
+    rank of the run(s) on ``other`` processes, in the events that must hold the same bits whatever
+    the split of a global batch (``WORLD_COMPARED``) and in nothing else (``WORLD_NOT_COMPARED``).
+    """
+
+    reference: int
+    other: int
+
+    @property
+    def varied(self) -> str:
+        """What differs between the runs, in words (``1 vs 2 processes``)."""
+        return f"{self.reference} vs {_processes(self.other)}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``world`` object of ``check --json`` and ``compare --json``."""
+        return {
+            "processes": [self.reference, self.other],
+            "reference_rank": 0,
+            "compared": [kind for kind, _ in WORLD_COMPARED],
+            "not_compared": [kind for kind, _ in WORLD_NOT_COMPARED],
+        }
+
+    def describe(self) -> str:
+        """One line for people: which ranks were compared against which, what was and what was not."""
+        compared = "; ".join(text for _, text in WORLD_COMPARED)
+        left_out = "; ".join(text for _, text in WORLD_NOT_COMPARED)
+        return (
+            f"across world sizes: rank 0 of the run on {_processes(self.reference)} against every rank "
+            f"of the run on {_processes(self.other)}; compared: {compared}; not compared: {left_out}"
+        )
+
+    def divergence_reason(self, d: Divergence) -> str:
+        """Why the runs part at ``d``, in words, with the fix."""
+        between = f"between {self.reference} and {_processes(self.other)}"
+        on = f" (rank {d.rank} of the run on {_processes(self.other)})"
+        if d.final_state:
+            module = d.final_module() or "a module the script holds"
+            return (
+                f"the state at exit of {module} differs {between}{on} although every optimizer step "
+                "compared matched: something changed outside the optimizer steps depends on the world "
+                "size (e.g. BatchNorm running statistics updated by each process on its own micro-batches, "
+                f"or weights changed by hand); {WORLD_FIX}"
+            )
+        if d.kind == "init":
+            return (
+                f"the parameters given to {d.key} differ {between}{on}: the initial weights depend on "
+                "the number of processes; build the model the same way on every rank (seeded before it "
+                "is built), or broadcast it from rank 0 as DDP and torchrepro.InvariantDataParallel do"
+            )
+        part = (d.name or "").partition(":")[0]
+        if d.unmatched:
+            return (
+                f"the runs did not take the same optimizer steps {between}{on}: at step {d.step} one "
+                "took a step the other did not, so the number of optimizer steps depends on the world "
+                f"size; iterate whole global batches: {WORLD_FIX}"
+            )
+        if part == "grad":
+            return (
+                f"the parameters after optimizer step {d.step} differ {between}{on}: the gradients the "
+                "step used already differ, so the script's gradients depend on how the global "
+                f"batch is split across processes; {WORLD_FIX}"
+            )
+        if d.name is None:
+            return f"optimizer step {d.step} differs {between}{on}: {WORLD_FIX}"
+        return (
+            f"the parameters after optimizer step {d.step} differ {between}{on} although the gradients "
+            "the step used are equal: the update itself depends on the number of processes "
+            "(e.g. a learning rate or an optimizer option computed from the world size)"
+        )
+
+    def inconclusive_reason(self, covered: Coverage) -> str:
+        """The headline of a comparison across world sizes in which no optimizer step was compared
+        on some rank (``covered`` is not conclusive)."""
+        what = (
+            f"rank(s) {', '.join(map(str, covered.uncovered_ranks))} of the run on {_processes(self.other)}"
+            if len(covered.uncovered_ranks) < len(covered.ranks_expected)
+            else "any rank"
+        )
+        return (
+            f"no optimizer step was compared on {what}: across world sizes only the parameters given "
+            "to an optimizer, each optimizer step and the state at exit are compared (batches, "
+            "recorded values and backward() steps depend on the split), and the script took no "
+            "optimizer step torchrepro records"
+        )
 
 
 @dataclass(frozen=True)
@@ -438,16 +625,20 @@ class Comparison:
     """Optimizer steps compared per optimizer key (``optimizer0``...), in optimizer order."""
     reason: str | None = None
     """In one line, why the verdict is inconclusive, or that the runs differ only in the final
-    state (the training that changed it was not recorded); None otherwise."""
+    state (the training that changed it was not recorded), or, for runs on different numbers of
+    processes, why they part; None otherwise."""
+    world: WorldScope | None = None
+    """Set when the runs ran on different numbers of processes: what was compared then."""
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``.
+        """The ``compare --json`` object: the check verdict, ``env_differences``, ``tensor``, ``notes``
+        (and ``world`` when the runs ran on different numbers of processes).
 
         Each environment difference also says whether it exists between any two records
         (``volatile``: when and where each was recorded) and which setting difference set it
         (``setting``, e.g. ``threads``; else None).
         """
-        return {
+        d = {
             "reproducible": self.reproducible,
             "runs": 2,
             "steps_compared": self.steps_compared,
@@ -461,6 +652,9 @@ class Comparison:
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
             "notes": list(self.notes),
         }
+        if self.world is not None:  # runs on different numbers of processes
+            d["world"] = self.world.to_dict()
+        return d
 
 
 def _env_diff_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[str, Any]:
@@ -674,34 +868,53 @@ def optimizer_steps(cursors: Sequence[RankCursor]) -> dict[str, int]:
 def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -> Comparison:
     """Compare two recorded runs (say, from two machines): first divergence and env differences."""
     a, b = load_run(run_a), load_run(run_b)
-    cursors = []
-    found = []
-    for rank in sorted(set(a.events) | set(b.events)):
-        cursor = RankCursor(rank, a.events.get(rank, []), b.events.get(rank, []))
-        cursors.append(cursor)
-        d = cursor.advance(a_done=True, b_done=True)
-        if d is not None:
-            found.append(d)
+    sizes = (_world_size(a), _world_size(b))
+    world = None if sizes[0] == sizes[1] else WorldScope(min(sizes), max(sizes))
+    cursors: dict[int, RankCursor] = {}
+    world_notes: list[str] = []
+    if world is None:
+        for rank in sorted(set(a.events) | set(b.events)):
+            cursors[rank] = RankCursor(rank, a.events.get(rank, []), b.events.get(rank, []))
+    else:  # rank 0 of the run on fewer processes against every rank of the other
+        smaller, larger = (a, b) if sizes[0] < sizes[1] else (b, a)
+        for rank in sorted(set(larger.events) | set(range(world.other))):  # a missing rank diverges
+            pair = (smaller.events.get(0, []), larger.events.get(rank, []))
+            cursors[rank] = world_cursor(rank, *(pair if smaller is a else pair[::-1]))
+        world_notes.append(f"compared {world.describe()}")
+        others = sorted(r for r in smaller.events if r != 0)
+        if others:
+            world_notes.append(
+                f"rank(s) {', '.join(map(str, others))} of the run on {_processes(world.reference)} were "
+                "not compared (its rank 0 stands for it)"
+            )
+    found = [d for d in (c.advance(a_done=True, b_done=True) for c in cursors.values()) if d is not None]
     first = earliest(found)
     tensor = None
     if first is not None:
-        ea, eb = a.events.get(first.rank, []), b.events.get(first.rank, [])
+        ea, eb = cursors[first.rank].a, cursors[first.rank].b
         if first.index < len(ea) and first.index < len(eb):
             tensor = tensor_difference(ea[first.index], eb[first.index])
     started = setting_differences(a, b)
     unrecorded = _unrecorded(a, b)
     env_differences, notes = _env_differences(a, b)
-    notes = unrecorded + notes
-    covered = coverage(cursors, sorted(set(a.events) | set(b.events)))
+    notes = world_notes + unrecorded + notes
+    covered = coverage(list(cursors.values()), sorted(cursors))
     reason = None
-    if first is not None and first.final_state:
+    if first is not None and world is not None:
+        reason = world.divergence_reason(first)
+        notes.append(WORLD_NOT_LOCATED)
+    elif first is not None and first.final_state:
         reason = final_state_reason(first, covered, unrecorded=bool(unrecorded))
         notes.append(FINAL_NOT_LOCATED)
     elif first is not None and first.kind == "compute":
         first, locate_notes = _locate_recorded(first, a, b, varied=_varied_threads(started))
         notes += locate_notes
     reproducible: bool | None = first is None
-    if first is None and not covered.conclusive:
+    if first is None and not covered.conclusive and world is not None:
+        reproducible = None
+        reason = world.inconclusive_reason(covered)
+        notes.append(f"inconclusive: {reason}")
+    elif first is None and not covered.conclusive:
         reproducible = None
         reason = covered.inconclusive_reason(unrecorded=bool(unrecorded))
         notes.append(covered.inconclusive_note(unrecorded=bool(unrecorded)))
@@ -711,16 +924,25 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         notes.append(f"inconclusive: {UNRECORDED_REASON}")
     return Comparison(
         reproducible=reproducible,
-        steps_compared=steps_compared(cursors),
+        steps_compared=steps_compared(list(cursors.values())),
         first_divergence=first,
         coverage=covered,
         env_differences=env_differences,
         tensor=tensor,
         notes=tuple(d.describe() for d in started) + tuple(notes),
         setting_differences=started,
-        optimizer_steps=optimizer_steps(cursors),
+        optimizer_steps=optimizer_steps(list(cursors.values())),
         reason=reason,
+        world=world,
     )
+
+
+def _world_size(run: RunRecord) -> int:
+    """The number of processes a record ran on: its ``--nproc``, else the largest process group its
+    ranks noted joining, else 1 (never the events files found: a rank that wrote none is missing,
+    not a smaller world)."""
+    nproc = None if run.settings is None else run.settings.nproc
+    return nproc or max(read_world(run.path).values(), default=1)
 
 
 UNRECORDED_REASON = (

@@ -13,6 +13,10 @@ Invariants:
   (steps no optimizer sees, one per ``backward()``), ``FINAL_KEY``, or a name given to ``record``.
 - Tensor names of ``init``/``compute`` events: ``param:<path>``, ``grad:<path>``,
   ``state:<path>:<key>``, ``final:<path>`` (see ``_child.training``).
+- Across world sizes (``check --vary world``, ``compare`` of records from different numbers of
+  processes) only ``world_invariant`` events are compared: what an optimizer is given (``init``),
+  its steps (``compute`` of ``optimizer<N>``) and the state at exit; batches, recorded values and
+  ``backward()`` steps depend on how a global batch is split across processes.
 - One rule orders divergences, for ``check`` (several runs against the first) and ``compare``
   (two runs) alike: the earliest step; at one step the event a rank meets first (its batch and
   recorded values before the optimizer step whose all-reduced gradients spread a difference to
@@ -39,6 +43,7 @@ __all__ = [
     "is_step",
     "optimizer_index",
     "optimizer_key",
+    "world_invariant",
 ]
 
 EVENT_KINDS: Final = ("init", "data", "record", "compute")
@@ -85,6 +90,21 @@ def is_step(kind: str, key: str | None, *, backward: bool = False) -> bool:
     """Whether an event is a training step of the first optimizer (``backward``: a step counted by
     ``backward()``; those come in pairs, the gradients then the parameters after the update)."""
     return kind == "compute" and key == (BACKWARD_KEY if backward else optimizer_key(0))
+
+
+def world_invariant(kind: str, key: str | None) -> bool:
+    """Whether an event must hold the same bits whatever the number of processes a fixed global
+    batch is split across: the parameters given to an optimizer (or trained at the first
+    ``backward()``), an optimizer step, the state at exit. Not a batch (each process loads its part
+    of a global batch), a recorded value (it may be a process's own) or a ``backward()`` step (one
+    per micro-batch, so their number depends on the split).
+
+    >>> [world_invariant(k, key) for k, key in [("compute", "optimizer0"), ("data", "loader0")]]
+    [True, False]
+    """
+    if kind == "init":
+        return True
+    return kind == "compute" and (key == FINAL_KEY or is_optimizer_key(key))
 
 
 def describe_name(name: str, kind: str) -> str:
