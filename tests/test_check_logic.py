@@ -24,10 +24,11 @@ from torchrepro.check import (
     _steps_note,
     _thread_notes,
     _varied_text,
+    _world_sizes,
     check_script,
 )
 from torchrepro.check_runs import make_run, rank_notes, varied_workers
-from torchrepro.compare import Coverage, Divergence
+from torchrepro.compare import Coverage, Divergence, WorldScope
 from torchrepro.errors import LaunchError, SettingsError
 
 BASE = ChildSpec(seed=5, mode="warn", max_steps=3)
@@ -85,6 +86,32 @@ def test_vary_workers_changes_only_later_runs() -> None:
 def test_vary_of_an_unknown_choice_is_refused(vary: str) -> None:
     with pytest.raises(ValueError, match="vary must be one of"):
         _run_spec(BASE, vary, 1, seed=5)
+
+
+@pytest.mark.parametrize("threads", [None, 3])
+def test_vary_world_gives_every_run_the_same_threads(threads: int | None) -> None:
+    base = BASE.replace(threads=threads)
+    specs = [_run_spec(base, "world", i, seed=5) for i in range(3)]
+    assert {s.threads for s in specs} == {threads or 1}  # only the number of processes varies
+    assert all(s.replace(threads=threads) == base for s in specs)
+
+
+@pytest.mark.parametrize(
+    ("vary", "nproc", "runs", "expected"),
+    [
+        (None, None, 2, [None, None]),
+        ("threads", 3, 2, [3, 3]),
+        ("world", None, 2, [1, 2]),  # the default: 1 against 2 processes
+        ("world", 4, 3, [1, 4, 4]),  # --nproc sets the later runs' processes
+    ],
+)
+def test_world_sizes_of_the_runs(vary: str | None, nproc: int | None, runs: int, expected: list[int]) -> None:
+    assert _world_sizes(vary, nproc, runs) == expected
+
+
+def test_vary_world_with_one_process_is_refused_naming_the_option() -> None:
+    with pytest.raises(SettingsError, match=r"--vary world compares 1 process with --nproc N.*got 1"):
+        _world_sizes("world", 1, 2)
 
 
 def test_vary_choices_are_handled() -> None:
@@ -196,6 +223,21 @@ def test_check_result_to_dict_shape() -> None:
         "dtype": None,
     }
     assert "error" not in data and json.loads(json.dumps(data)) == data
+    assert "world" not in data  # only with --vary world
+    across = CheckResult(
+        reproducible=True,
+        runs=2,
+        steps_compared=4,
+        first_divergence=None,
+        check_dir="/c",
+        world=WorldScope(1, 2),
+    )
+    assert across.to_dict()["world"] == {
+        "processes": [1, 2],
+        "reference_rank": 0,
+        "compared": ["init", "compute", "final"],
+        "not_compared": ["data", "record", "backward"],
+    }
 
 
 def test_check_result_error_only_when_set() -> None:

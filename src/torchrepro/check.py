@@ -25,6 +25,11 @@ Invariants:
   ``--portable`` fixes, or one of the audit's table (``audit.threads``) that it does not.
 - ``portable`` runs every run in portable mode; the verdict says so (``portable``: the values the
   runs started with), and a portable value kept from the user's environment gets a note.
+- ``vary="world"`` runs the first run on 1 process and the later ones on ``nproc`` (default 2),
+  all through torchrun with the same seed and the same thread count per process (``threads``,
+  default 1), and compares rank 0 of the first against every rank of the others in what must
+  not depend on the split of a global batch (``compare.WorldScope``); a divergence is explained
+  in words, not located (op traces of different splits do not align).
 """
 
 from __future__ import annotations
@@ -37,12 +42,22 @@ from typing import Any
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec, python_hash_seed
-from torchrepro.check_runs import CheckProgress, make_run, rank_notes, varied_workers, watch
+from torchrepro.check_runs import (
+    CheckProgress,
+    make_run,
+    rank_notes,
+    same_rank,
+    varied_workers,
+    watch,
+    world_pair,
+)
 from torchrepro.compare import (
     FINAL_NOT_LOCATED,
     UNRECORDED_REASON,
+    WORLD_NOT_LOCATED,
     Coverage,
     Divergence,
+    WorldScope,
     coverage,
     final_state_reason,
     locate_in_traces,
@@ -64,8 +79,11 @@ from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
 
 __all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
 
-VARY_CHOICES = ("workers", "threads", "hashseed")
+VARY_CHOICES = ("workers", "threads", "hashseed", "world")
 """What ``--vary`` can change in later runs."""
+
+WORLD_DEFAULT_NPROC = 2
+"""The processes of the later runs of ``--vary world`` when ``--nproc`` is not given."""
 
 LOCATE_ATTEMPTS = 3
 
@@ -85,6 +103,8 @@ class CheckResult:
     counts the optimizer steps compared per optimizer (``steps_compared`` counts training steps).
     ``portable`` is what portable mode set in the runs (``MKL_CBWR``, ``ATEN_CPU_CAPABILITY``,
     ``onednn``: False), None when it was off.
+    ``world`` (``--vary world``) says which ranks and events were compared across world sizes;
+    ``reason`` then says, for a divergence, why the runs part and what to do.
     """
 
     reproducible: bool | None
@@ -103,6 +123,7 @@ class CheckResult:
     varied: str | None = None
     optimizer_steps: dict[str, int] = field(default_factory=dict)
     portable: dict[str, Any] | None = None
+    world: WorldScope | None = None
 
     @property
     def inconclusive(self) -> bool:
@@ -110,7 +131,8 @@ class CheckResult:
         return self.reproducible is None and self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        """The ``check --json`` object and ``verdict.json`` (``error`` only when a run failed)."""
+        """The ``check --json`` object and ``verdict.json`` (``error`` only when a run failed,
+        ``world`` only with ``--vary world``)."""
         d: dict[str, Any] = {
             "reproducible": self.reproducible,
             "runs": self.runs,
@@ -125,6 +147,8 @@ class CheckResult:
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "notes": list(self.notes),
         }
+        if self.world is not None:
+            d["world"] = self.world.to_dict()
         if self.isolation is not None:
             d["isolation"] = self.isolation.to_dict()
             d["shared_writes"] = list(self.shared_writes)
@@ -144,12 +168,28 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
         return base.replace(hash_seed=python_hash_seed(seed, "vary", index))
     if vary == "workers":
         return base.replace(num_workers="other") if index > 0 else base
+    if vary == "world":  # every process gets the same threads: only the number of processes varies
+        return base.replace(threads=base.threads or 1)
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
+
+
+def _world_sizes(vary: str | None, nproc: int | None, runs: int) -> list[int | None]:
+    """The ``--nproc`` of each run: ``nproc`` for all, or with ``--vary world`` 1 process for the
+    first run and ``nproc`` (default 2) for the others."""
+    if vary != "world":
+        return [nproc] * runs
+    larger = WORLD_DEFAULT_NPROC if nproc is None else nproc
+    if larger < 2:
+        raise SettingsError(
+            f"--vary world compares 1 process with --nproc N processes (default {WORLD_DEFAULT_NPROC}), "
+            f"so N must be >= 2, got {larger}"
+        )
+    return [1, *[larger] * (runs - 1)]
 
 
 def _varied_text(vary: str | None, specs: Sequence[ChildSpec]) -> str | None:
     """What ``--vary threads|hashseed`` changed, in words (``1 vs 2 threads``); workers: None
-    (the runs' records say, ``check_runs.varied_workers``)."""
+    (the runs' records say, ``check_runs.varied_workers``); world: ``WorldScope.varied``."""
     if vary == "threads":
         counts = [s.threads for s in specs]
         return f"{counts[0]} vs {counts[1]} threads" if counts[0] != counts[1] else None
@@ -239,20 +279,23 @@ def check_script(
     )
     portable_notes = start_notes(base)  # a value it cannot use is refused before anything is created
     check_target(script, module, args, command="check")
-    command = build_command(script, args, module=module, nproc=nproc, watch_writes=True)  # validates nproc
+    worlds = _world_sizes(vary, nproc, runs)
+    commands = [  # validates nproc
+        build_command(script, args, module=module, nproc=n, watch_writes=True) for n in worlds
+    ]
     check_dir = runrecord.new_run_dir(root)
     isolation, layers = _isolation(check_dir, enabled=isolate)
     try:
         return _check(
             check_dir,
-            command,
+            commands,
             base,
             isolation=isolation,
             layers=layers,
             script=script,
             module=module,
             runs=runs,
-            nproc=nproc,
+            nprocs=worlds,
             seed=seed,
             vary=vary,
             locate=locate,
@@ -288,7 +331,7 @@ def _isolation(check_dir: Path, *, enabled: bool) -> tuple[Isolation, Layers | N
 
 def _check(
     check_dir: Path,
-    command: list[str],
+    commands: list[list[str]],
     base: ChildSpec,
     *,
     isolation: Isolation,
@@ -296,7 +339,7 @@ def _check(
     script: str | None,
     module: str | None,
     runs: int,
-    nproc: int | None,
+    nprocs: list[int | None],
     seed: int,
     vary: str | None,
     locate: bool,
@@ -305,25 +348,46 @@ def _check(
     poll_interval: float,
     start_notes: Sequence[str] = (),
 ) -> CheckResult:
-    ranks = nproc or 1
+    nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
+    world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
     specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
     all_runs = [
-        make_run(i, check_dir / f"run{i}", command, specs[i], ranks=ranks, layers=layers) for i in range(runs)
+        make_run(i, check_dir / f"run{i}", commands[i], specs[i], ranks=nprocs[i] or 1, layers=layers)
+        for i in range(runs)
     ]
     for run in all_runs:
         runrecord.write_run_files(
             run.record_dir,
-            command,
-            run_settings(base, run.env, script=script, module=module, nproc=nproc, vary=vary, run=run.index),
+            run.command,
+            run_settings(
+                specs[run.index] if world is not None else base,  # --vary world pins the threads
+                run.env,
+                script=script,
+                module=module,
+                nproc=nprocs[run.index],
+                vary=vary,
+                run=run.index,
+            ),
         )
     notes = [n for n in [nproc_note(nproc), *start_notes] if n]
     portable = _portable_values(all_runs[0].env) if base.portable else None
+    if world is not None:
+        threads = specs[0].threads
+        notes.append(
+            f"--vary world: run 1 on 1 process, the other run(s) on {nproc} processes (each through "
+            f"torchrun), every process with {threads} thread{'s' if threads != 1 else ''} (--threads) "
+            "and the same seed"
+        )
     if isolation.mode == "none" and isolation.reason != _OPTED_OUT:
         notes.append(f"the runs were not isolated: {isolation.describe()}")
     try:
         with terminate_on_signals():
             divergences, cursors, failed = watch(
-                all_runs, progress=progress, poll_interval=poll_interval, serial=serial
+                all_runs,
+                progress=progress,
+                poll_interval=poll_interval,
+                serial=serial,
+                pair=same_rank if world is None else world_pair,
             )
     finally:
         for run in all_runs:
@@ -353,13 +417,17 @@ def _check(
             isolation=isolation,
             shared_writes=tuple(shared),
             portable=portable,
+            world=world,
         )
         runrecord.write_verdict(check_dir, result.to_dict())
         return result
     other, first = divergences[0] if divergences else (1, None)
     covered = coverage(cursors, range(ranks))
     reason: str | None = None
-    if first is not None and first.final_state:  # no recorded step differs: nothing to trace
+    if first is not None and world is not None:  # op traces of different splits do not align
+        reason = world.divergence_reason(first)
+        notes.append(WORLD_NOT_LOCATED)
+    elif first is not None and first.final_state:  # no recorded step differs: nothing to trace
         reason = final_state_reason(first, covered, unrecorded=bool(unranked))
         notes.append(FINAL_NOT_LOCATED)
     elif first is not None and first.kind == "compute" and locate:
@@ -369,7 +437,7 @@ def _check(
             first, locate_notes = _locate(
                 first,
                 check_dir,
-                command,
+                commands[0],
                 (specs[0], specs[other]),
                 ranks=ranks,
                 layers=layers,
@@ -381,7 +449,11 @@ def _check(
     if first is not None and vary == "threads":
         notes.extend(_thread_notes(first.op, portable=base.portable))
     reproducible: bool | None = first is None
-    if first is None and not covered.conclusive:
+    if first is None and not covered.conclusive and world is not None:
+        reproducible = None
+        reason = world.inconclusive_reason(covered)
+        notes.append(f"inconclusive: {reason}")
+    elif first is None and not covered.conclusive:
         reproducible = None
         reason = covered.inconclusive_reason(unrecorded=bool(unranked))
         notes.append(covered.inconclusive_note(unrecorded=bool(unranked)))
@@ -389,7 +461,7 @@ def _check(
         reproducible = None
         reason = UNRECORDED_REASON
         notes.append("inconclusive: a python process the script started trained unrecorded (above)")
-    varied = _varied_text(vary, specs)
+    varied = world.varied if world is not None else _varied_text(vary, specs)
     if vary == "workers" and runs > 1:
         varied_note, varied, nothing = varied_workers(all_runs[1], ranks)
         notes.append(varied_note)
@@ -421,6 +493,7 @@ def _check(
         varied=varied,
         optimizer_steps=optimizer_steps(cursors),
         portable=portable,
+        world=world,
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result

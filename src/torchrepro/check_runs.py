@@ -5,7 +5,8 @@ Invariants:
   check has one, with OpenMP threads that wait passively (the runs share the cores; no result
   changes); ``Run.stop`` ends its whole process tree and then moves its writes into its record.
 - ``watch`` compares every later run against the first, event by event as the events arrive,
-  rank by rank (ranks the script starts itself are discovered from the records), and returns the
+  rank by rank (ranks the script starts itself are discovered from the records; ``pair`` says
+  which events of the first run a rank of a later run is compared with), and returns the
   divergences in the one order ``events.in_order`` gives; with ``stop_early`` it stops at the
   first; with ``serial`` it starts one run at a time.
 - A run that fails is reported as the first failed run in run order, never as a divergence.
@@ -25,14 +26,25 @@ from typing import IO
 from torchrepro import runrecord
 from torchrepro._child.overlay import Overlay
 from torchrepro._child.spec import ChildSpec
-from torchrepro.compare import Divergence, RankCursor
+from torchrepro.compare import Divergence, RankCursor, world_cursor
 from torchrepro.errors import ReproError
 from torchrepro.events import in_order, is_step
 from torchrepro.isolation import Layers
 from torchrepro.launch import kill_tree, spawn
 from torchrepro.runrecord import EventTail
 
-__all__ = ["CheckProgress", "Run", "discover_ranks", "make_run", "rank_notes", "varied_workers", "watch"]
+__all__ = [
+    "CheckProgress",
+    "Pair",
+    "Run",
+    "discover_ranks",
+    "make_run",
+    "rank_notes",
+    "same_rank",
+    "varied_workers",
+    "watch",
+    "world_pair",
+]
 
 
 @dataclass(frozen=True)
@@ -187,7 +199,24 @@ def make_run(
     )
 
 
-def discover_ranks(runs: list[Run], cursors: dict[tuple[int, int], RankCursor]) -> None:
+Pair = Callable[["Run", "Run", int], RankCursor]
+"""How rank ``r`` of a later run is compared with the first run: ``(first, later, r) -> cursor``."""
+
+
+def same_rank(first: Run, run: Run, r: int) -> RankCursor:
+    """Rank ``r`` against rank ``r``, every event (runs on the same number of processes)."""
+    return RankCursor(r, first.tails[r].events, run.tails[r].events)
+
+
+def world_pair(first: Run, run: Run, r: int) -> RankCursor:
+    """Rank ``r`` of a run on more processes against rank 0 of the first run, in the events that
+    must not depend on the world size (``check --vary world``; ``compare.WorldScope``)."""
+    return world_cursor(r, first.tails[0].events, run.tails[r].events)
+
+
+def discover_ranks(
+    runs: list[Run], cursors: dict[tuple[int, int], RankCursor], pair: Pair = same_rank
+) -> None:
     """Compare the ranks a script started itself too, once any run shows them."""
     ranks = max(run.discover() for run in runs)
     first = runs[0]
@@ -196,7 +225,7 @@ def discover_ranks(runs: list[Run], cursors: dict[tuple[int, int], RankCursor]) 
     for run in runs[1:]:
         for r in range(ranks):
             if (run.index, r) not in cursors:
-                cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+                cursors[(run.index, r)] = pair(first, run, r)
 
 
 def rank_notes(runs: list[Run], nproc: int | None) -> list[str]:
@@ -239,10 +268,12 @@ def watch(
     poll_interval: float,
     stop_early: bool = True,
     serial: bool = False,
+    pair: Pair = same_rank,
 ) -> tuple[list[tuple[int, Divergence]], list[RankCursor], Run | None]:
     """Start the runs, compare live; return (divergences, cursors, failed run or None).
 
-    ``serial``: one run at a time, each later one compared live against the first.
+    ``serial``: one run at a time, each later one compared live against the first. ``pair``: how
+    a rank of a later run is compared with the first run (``world_pair`` across world sizes).
     """
     for run in runs[:1] if serial else runs:
         run.start()
@@ -250,12 +281,12 @@ def watch(
     cursors: dict[tuple[int, int], RankCursor] = {}
     for run in runs[1:]:
         for r in range(run.ranks):
-            cursors[(run.index, r)] = RankCursor(r, first.tails[r].events, run.tails[r].events)
+            cursors[(run.index, r)] = pair(first, run, r)
     found: dict[tuple[int, int], Divergence] = {}
     last_steps: tuple[int, ...] = ()
     failed: Run | None = None
     while True:
-        discover_ranks(runs, cursors)
+        discover_ranks(runs, cursors, pair)
         done = [run.poll() for run in runs]
         started = [r for r in runs if r.proc is not None]
         if serial and len(started) < len(runs) and all(r.returncode == 0 for r in started):
@@ -283,7 +314,7 @@ def watch(
                 last_steps = steps
                 progress(CheckProgress(phase="running", steps=steps))
         time.sleep(poll_interval)
-    discover_ranks(runs, cursors)
+    discover_ranks(runs, cursors, pair)
     for run in runs:  # events written up to the stop still count
         run.poll()
     for (i, r), cursor in cursors.items():

@@ -175,7 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop every run after N training steps: optimizer steps, or backward() calls in a script "
         "that updates weights without torch.optim (default: run the script to its end)",
     )
-    p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks per run through torchrun")
+    p.add_argument(
+        "--nproc",
+        type=nproc_type,
+        default=None,
+        help="launch N ranks per run through torchrun (with --vary world: the later runs' ranks)",
+    )
     p.add_argument("--seed", type=seed_type, default=0, help="the runs' seed, 0 to 2**64-1 (default 0)")
     p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
     p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
@@ -190,7 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="change one thing in the later runs to test that the result does not depend on it: "
         "workers (every DataLoader's num_workers), threads (1 <-> 2; with --portable: whether the "
-        "results are independent of the thread count), hashseed (PYTHONHASHSEED)",
+        "results are independent of the thread count), hashseed (PYTHONHASHSEED), "
+        "world (the first run on 1 process, the others on --nproc N, default 2, each through torchrun "
+        "with --threads per process, default 1: rank 0 of the first run is compared with every rank "
+        "of the others in the parameters given to each optimizer, every optimizer step and the state "
+        "at exit, not in batches, recorded values or backward() steps, which depend on the split; "
+        "for training on a fixed global batch, e.g. with torchrepro.SeededLoader(global_batch_size=...) "
+        "and torchrepro.InvariantDataParallel)",
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument(
@@ -434,11 +445,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
         else:
             assert d is not None
             print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
+            if result.reason:  # across world sizes: why the runs part, and the fix
+                print(f"  {result.reason}")
             print(f"  ({steps} compared{varied})")
         if result.coverage is not None:
             print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
         if result.portable is not None:
             print(f"  portable: {_portable_text(result.portable)}")
+        if result.world is not None:
+            print(f"  {result.world.describe()}")
         if result.isolation is not None:
             print(f"  isolation: {result.isolation.describe()}")
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
@@ -478,6 +493,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         else:
             assert d is not None
             print(f"NOT identical: first divergence: {_render_divergence(d)}")
+            if result.reason:  # runs on different numbers of processes: why they part
+                print(f"  {result.reason}")
         for note in result.notes:
             print(f"  {note}")
         if not result.reproducible and result.tensor is not None:
