@@ -437,3 +437,54 @@ def test_ops_of_a_forked_child_pass_through_untraced(tmp_path: Path) -> None:
         torch.ones(2).sub(1)  # control: the parent still traces
         assert len(tracer) > before
     assert os.WEXITSTATUS(status) == 0
+
+
+_SEND_RECV = """
+import sys
+import torch, torch.distributed as dist
+from torchrepro.tracing import trace
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+with trace(f"{sys.argv[1]}.rank{rank}"):
+    if rank == 1:
+        dist.send(torch.arange(4.0), dst=0)
+    else:
+        received = torch.empty(4)
+        dist.recv(received, src=1)
+        received.mul(2)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_send_and_recv_are_traced_without_waiting_twice(tmp_path: Path) -> None:
+    # gloo completes a send/recv work handle once per wait: a tracer waiting before the caller did
+    # left both ranks blocked for ever; the received tensor is digested when the next op reads it
+    import subprocess
+
+    from helpers import user_env
+
+    script = tmp_path / "send_recv.py"
+    script.write_text(_SEND_RECV, encoding="utf-8")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*torchrun, str(script), str(tmp_path / "trace")],
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs = [json.loads((tmp_path / f"trace.rank{r}").read_text(encoding="utf-8")) for r in (0, 1)]
+
+    def ops(doc: dict[str, object]) -> dict[str, tuple[list[str], list[str]]]:
+        values, names = doc["values"], doc["ops"]
+        return {
+            names[r[0]]: ([values[i] for i in r[3]], [values[i] for i in r[4]])  # type: ignore[index]
+            for r in doc["records"]  # type: ignore[attr-defined]
+        }
+
+    sent = ops(docs[1])["c10d.send.default"][0][0]
+    recv_inputs, recv_outputs = ops(docs[0])["c10d.recv_.default"]
+    assert recv_inputs[0] == "overwritten"  # received whole: not read from the empty buffer
+    assert recv_outputs[-1] == sent == ops(docs[0])["aten.mul.Tensor"][0][0]

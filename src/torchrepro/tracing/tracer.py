@@ -17,6 +17,10 @@ Invariants:
 - Per op, the Python work is one lookup of what the trace knows of the op, the attribution, and a
   digest lookup per tensor (a cache keyed by tensor, version, storage and write epoch); bytes are
   hashed once per tensor version.
+- A collective's outputs are digested once its work handle completes; the tracer waits for it,
+  except for point-to-point ops (``send``, ``recv``): gloo completes their work once per wait, so a
+  second wait (the caller's) would block for ever. A received tensor is digested when the next op
+  reads it (the caller has waited by then), or when the trace stops, into the ``recv`` op's record.
 """
 
 from __future__ import annotations
@@ -73,8 +77,14 @@ _FULL_WRITE_OPS: Final = frozenset(
         "aten::geometric_",
         "aten::log_normal_",
         "aten::cauchy_",
+        "c10d::recv_",  # the tensors received into
+        "c10d::recv_any_source_",
     }
 )
+# Point-to-point ops: their work handle must be waited on once, by the caller (see the invariants).
+_POINT_TO_POINT: Final = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
+# What a received tensor that no op read before the trace stopped, and that was freed, stands for.
+_PENDING: Final = "pending"
 # Ops that write arguments their schema does not mark as written (positional indices).
 _HIDDEN_WRITES: Final[Mapping[str, tuple[int, ...]]] = {
     "aten::native_batch_norm": (3, 4),
@@ -115,6 +125,7 @@ class _TracedOp:
     index: int  # in the trace's op table
     skip: bool  # bookkeeping, not computation: passed through untraced
     collective: bool  # its outputs are ready only once its work handle is waited on
+    point_to_point: bool  # a collective whose work handle only the caller may wait on
 
 
 def _op_info(func: Any) -> _OpInfo:
@@ -202,6 +213,8 @@ class Tracer(_Observer):
         self._cache: dict[int, tuple[weakref.ref[torch.Tensor], int, int, int, str]] = {}
         self._epochs: dict[int, int] = {}
         self._tainted: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._pending: dict[int, tuple[weakref.ref[torch.Tensor], int, int]] = {}
+        """Received tensors not digested yet: id -> (tensor, its record, its place in the outputs)."""
         self._prune_at = 4096
         self._infos = _OP_INFOS
         self._ops: dict[Any, _TracedOp] = {}
@@ -216,10 +229,15 @@ class Tracer(_Observer):
         """Stop tracing, write the trace file and return its path."""
         self._stop()
         try:
+            for ref, record, place in list(self._pending.values()):
+                t = ref()
+                self._resolve(record, place, _PENDING if t is None else _digest(t))
+            self._pending.clear()
             self._write()
         finally:
             self._cache.clear()
             self._tainted.clear()
+            self._pending.clear()
         return self.path
 
     def __len__(self) -> int:
@@ -272,9 +290,18 @@ class Tracer(_Observer):
             return entry[4]
         token = _digest(t)
         self._cache[key] = (weakref.ref(t), version, ptr, self._epochs.get(ptr, 0), token)
+        if self._pending:
+            pending = self._pending.get(key)
+            if pending is not None and pending[0]() is t:  # received: read by the op after the wait
+                del self._pending[key]
+                self._resolve(pending[1], pending[2], token)
         if len(self._cache) > self._prune_at:
             self._prune()
         return token
+
+    def _resolve(self, record: int, place: int, token: str) -> None:
+        """Put the digest of a received tensor in its ``recv`` record's outputs."""
+        self._records[record][4][place] = _intern(self._value_index, token)
 
     def _set_token(self, t: torch.Tensor, token: str) -> str:
         ptr = _storage_ptr(t)
@@ -284,6 +311,10 @@ class Tracer(_Observer):
     def _prune(self) -> None:
         self._cache = {k: e for k, e in self._cache.items() if e[0]() is not None}
         self._tainted = {k: r for k, r in self._tainted.items() if r() is not None}
+        for k, (ref, record, place) in list(self._pending.items()):
+            if ref() is None:  # freed unread: never digested
+                del self._pending[k]
+                self._resolve(record, place, _PENDING)
         self._prune_at = max(4096, 2 * len(self._cache))
 
     def _outputs(self, values: list[Any], uninit: bool, derived_from: str | None = None) -> list[str]:
@@ -331,6 +362,7 @@ class Tracer(_Observer):
                 index=_intern(self._op_index, name),
                 skip=name.startswith(_IGNORED_NAMESPACES),
                 collective=name.startswith(_COLLECTIVE_NAMESPACES),
+                point_to_point=func._schema.name in _POINT_TO_POINT,
             )
         return op
 
@@ -347,7 +379,7 @@ class Tracer(_Observer):
             return self._loading_op(func, info, args, kwargs)
         module, location, backward = site
         out = func(*args, **kwargs)
-        if op.collective:
+        if op.collective and not op.point_to_point:
             _wait(out)  # an async collective's outputs hold their result only once it completes
         with self._lock:
             written: list[Any] = []
@@ -359,9 +391,18 @@ class Tracer(_Observer):
                         ptr = _storage_ptr(t)
                         epochs[ptr] = epochs.get(ptr, 0) + 1
             derived = f"{op.name}|{'|'.join(inputs)}" if info.view else None
-            outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
+            if op.point_to_point:  # received tensors: digested once the caller has waited
+                outputs = self._outputs([out], False) + [_PENDING for t in _leaves(written)]
+            else:
+                outputs = self._outputs([out, *written], info.uninit or reads_uninit, derived)
             where = (module, location)
             values = self._value_index
+            if op.point_to_point:
+                first = len(outputs) - sum(1 for _ in _leaves(written))
+                for place, t in enumerate(_leaves(written), start=first):
+                    if isinstance(t, torch.Tensor):
+                        self._tainted.pop(id(t), None)  # received whole: no longer uninitialised
+                        self._pending[id(t)] = (weakref.ref(t), len(self._records), place)
             self._records.append(
                 [
                     op.index,
