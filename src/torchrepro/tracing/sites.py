@@ -59,6 +59,7 @@ _ENGINE_CODES: frozenset[CodeType] = frozenset(
 _WRAPPER_PREFIXES: Final[Mapping[str, str]] = {
     "DistributedDataParallel": "module.",
     "DataParallel": "module.",
+    "InvariantDataParallel": "module.",
     "OptimizedModule": "_orig_mod.",
 }
 
