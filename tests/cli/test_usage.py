@@ -52,6 +52,7 @@ USAGE_ERRORS = [
     ["run", "--mode", "loose"],
     ["run", "--cpu-capability", "sse9"],
     ["check", "--vary", "everything"],
+    ["check", "--vary", "world", "--nproc", "1"],  # 1 process against 1: nothing would vary
     ["audit", "--steps", "0"],
     ["run", "--trace-step", "-1"],
 ]
