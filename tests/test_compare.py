@@ -889,3 +889,21 @@ def test_fewer_optimizer_steps_on_another_world_size_is_named(tmp_path: Path) ->
     d = result.first_divergence
     assert d is not None and d.unmatched and (d.kind, d.step) == ("compute", 2)
     assert result.reason is not None and "did not take the same optimizer steps" in result.reason
+
+
+def test_the_state_at_exit_is_not_told_apart_by_backward_calls_across_world_sizes(tmp_path: Path) -> None:
+    # no optimizer: the final event's step counts backward() calls, one per micro-batch (8 on 1
+    # process, 4 on each of 2); equal states at exit must not diverge on that count
+    def manual(world: int) -> list[Event]:
+        steps = [ev(i, "compute", BACKWARD_KEY, i, f"g{i}") for i in range(8 // world)]
+        return [
+            ev(0, "init", BACKWARD_KEY, 0, "init"),
+            *steps,
+            ev(9, "compute", FINAL_KEY, 8 // world, "end"),
+        ]
+
+    one = make_record(tmp_path / "one", {0: manual(1)}, settings=RunSettings(nproc=1))
+    two = make_record(tmp_path / "two", {0: manual(2), 1: manual(2)}, settings=RunSettings(nproc=2))
+    result = compare_runs(one, two)
+    assert result.first_divergence is None and result.reproducible is None  # no optimizer step compared
+    assert result.coverage is not None and result.coverage.per_kind == {"final": 2, "init": 2}

@@ -13,7 +13,8 @@ Invariants:
 - Runs on different numbers of processes (``check --vary world``; ``compare`` of records whose
   world sizes differ) are compared as ``WorldScope`` says: rank 0 of the run on fewer processes
   against every rank of the other, in the events that must not depend on how a global batch is
-  split (``events.world_invariant``) and in nothing else; their op traces are never compared (the
+  split (``events.world_invariant``; the state at exit stepped by optimizer steps, not by
+  ``backward()`` calls) and in nothing else; their op traces are never compared (the
   processes compute different parts of each global batch).
 - The first differing tensor's largest absolute difference counts equal values (equal
   infinities, NaN in both runs) as no difference; NaN or an infinity against another value is
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -40,6 +41,7 @@ from torchrepro.events import (
     earliest,
     is_optimizer_key,
     optimizer_index,
+    optimizer_key,
     world_invariant,
 )
 from torchrepro.runrecord import (
@@ -139,21 +141,29 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     )
 
 
-class _Kept(Sequence[dict[str, Any]]):
-    """The events of a list (growing as a live file is read) that ``keep`` accepts, in order."""
+class _WorldEvents(Sequence[dict[str, Any]]):
+    """The events of one rank that must not depend on the world size (``events.world_invariant``),
+    read as a live list grows. The state at exit is stepped by the optimizer steps before it (its
+    recorded step counts ``backward()`` calls when no optimizer stepped: one per micro-batch)."""
 
-    def __init__(self, events: Sequence[dict[str, Any]], keep: Callable[[dict[str, Any]], bool]) -> None:
+    def __init__(self, events: Sequence[dict[str, Any]]) -> None:
         self._events = events
-        self._keep = keep
         self._kept: list[dict[str, Any]] = []
         self._read = 0
+        self._steps = 0  # optimizer steps of the first optimizer read so far
 
     def _catch_up(self) -> list[dict[str, Any]]:
         while self._read < len(self._events):
             event = self._events[self._read]
             self._read += 1
-            if self._keep(event):
-                self._kept.append(event)
+            kind, key = str(event["kind"]), event.get("key")
+            if not world_invariant(kind, key):
+                continue
+            if kind == "compute" and key == optimizer_key(0):
+                self._steps += 1
+            elif counted_kind(kind, key) == FINAL_KEY:
+                event = {**event, "step": self._steps}
+            self._kept.append(event)
         return self._kept
 
     def __len__(self) -> int:
@@ -164,23 +174,13 @@ class _Kept(Sequence[dict[str, Any]]):
 
 
 class RankCursor:
-    """Compares one rank of two runs event by event as the events arrive.
+    """Compares one rank of two runs event by event as the events arrive (``a`` and ``b`` may
+    grow between calls; ``world_cursor`` gives it views of them)."""
 
-    ``keep``: compare only the events it accepts, skipping the others on each side (a comparison
-    across world sizes: ``world_cursor``); ``position`` then counts the events kept.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        a: Sequence[dict[str, Any]],
-        b: Sequence[dict[str, Any]],
-        *,
-        keep: Callable[[dict[str, Any]], bool] | None = None,
-    ) -> None:
+    def __init__(self, rank: int, a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> None:
         self.rank = rank
-        self.a: Sequence[dict[str, Any]] = a if keep is None else _Kept(a, keep)
-        self.b: Sequence[dict[str, Any]] = b if keep is None else _Kept(b, keep)
+        self.a = a
+        self.b = b
         self.position = 0
         self.divergence: Divergence | None = None
         self.max_step_compared = -1
@@ -260,15 +260,11 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]], *, rank: 
     return RankCursor(rank, a, b).advance(a_done=True, b_done=True)
 
 
-def _world_event(event: dict[str, Any]) -> bool:
-    return world_invariant(str(event["kind"]), event.get("key"))
-
-
 def world_cursor(rank: int, a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> RankCursor:
     """A cursor comparing two runs on different numbers of processes in the events that must not
     depend on the world size: one side is rank 0 of the run on fewer processes, the other rank
-    ``rank`` of the run on more (``WorldScope``)."""
-    return RankCursor(rank, a, b, keep=_world_event)
+    ``rank`` of the run on more (``WorldScope``); ``position`` counts those events."""
+    return RankCursor(rank, _WorldEvents(a), _WorldEvents(b))
 
 
 WORLD_COMPARED: Final = (
