@@ -35,7 +35,7 @@ CASES: dict[str, tuple[str, ...]] = {
     "pid_factor": (),
     "custom_backward_noise": (),
     "ddp_rank1": ("--nproc", "2"),
-    "idp_rank1": ("--nproc", "2"),
+    "idp_rank1": ("--nproc", "3"),
 }
 
 
@@ -247,8 +247,8 @@ def test_ops_of_torch_data_loading_are_left_out_of_the_aligned_op_stream(tmp_pat
 def test_invariant_data_parallel_rank_1_source_is_found_through_its_send_and_recv(
     verdicts: dict[str, tuple[int, dict[str, Any], str]],
 ) -> None:
-    # rank 0's first differing op is the recv of rank 1's partial sum (the tracer must not wait on
-    # a send/recv work handle the caller waits on too: gloo completes it once, so that hung)
+    # on 3 ranks, rank 0's first differing op is the recv of rank 1's partial sum (the tracer must
+    # not wait on a send/recv work handle the caller waits on too: gloo completes it once, so that hung)
     first = _divergence(verdicts, "idp_rank1")
     script = SCRIPTS / "idp_rank1.py"
     assert (first["step"], first["rank"], first["op"]) == (0, 1, "aten.mul.Tensor"), first

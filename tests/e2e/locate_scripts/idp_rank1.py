@@ -1,6 +1,7 @@
-"""2-rank InvariantDataParallel on gloo where only rank 1 scales its activations by a
-process-dependent factor: rank 0 sees the difference first in what it receives from rank 1 (the
-tree's send/recv), so the source must be found on rank 1."""
+"""3-rank InvariantDataParallel on gloo (6 micro-batches a global batch, 2 per rank) where only
+rank 1 scales its activations by a process-dependent factor: rank 0 sees the difference first in
+what it receives from rank 1 (the tree's send/recv, which 3 ranks use), so the source must be
+found on rank 1."""
 
 import os
 
@@ -19,8 +20,8 @@ class Wobble(nn.Module):
 
 
 dist.init_process_group("gloo")
-data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
-loader = torchrepro.SeededLoader(data, batch_size=2, global_batch_size=8, seed=0)
+data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+loader = torchrepro.SeededLoader(data, batch_size=2, global_batch_size=12, seed=0)
 model = torchrepro.InvariantDataParallel(nn.Sequential(nn.Linear(4, 6), Wobble(), nn.Linear(6, 1)), loader)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 for i, (x, y) in enumerate(loader):
