@@ -31,7 +31,8 @@ ran):
   backward (on CUDA cuDNN's sampler, which strict mode does not stop), scatter(reduce='multiply'),
   a generator seeded from the clock, and a switch set only on CUDA (as run there; as a branch not
   taken on the CPU).
-- ``invariant_data_parallel``: skipped until ``torchrepro.InvariantDataParallel`` exists.
+- ``invariant_data_parallel``: InvariantDataParallel on the device gives the same bits in two fresh
+  processes and on 2 processes (torchrun, gloo, both ranks on the one device).
 
 Invariants:
 - Everything runs in fresh child processes (``common.run_python`` or ``python -m torchrepro``):
@@ -647,24 +648,82 @@ def _env_row(ctx: Context, path: Path) -> Row:
 # --------------------------------------------------------------------------------------------
 # 7. InvariantDataParallel (issue 22)
 
-HAS_IDP_CHILD = """
+IDP_CHILD = """
 import json
+import os
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+import torch.distributed as dist
+from torch import nn
 
 import torchrepro
 
-print(json.dumps({"present": hasattr(torchrepro, "InvariantDataParallel")}))
+device = P["device"]
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")  # every rank on the one device; gradients travel through the CPU
+torchrepro.set_determinism("strict")
+torch.set_num_threads(1)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(3, 8, 8, generator=g) + 0.1 * torch.randn(3, 8, 8), i % 4
+
+
+torch.manual_seed(0)
+layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.3), nn.Flatten()]
+net = nn.Sequential(*layers, nn.Linear(512, 4)).to(device)
+loader = torchrepro.SeededLoader(Data(), batch_size=2, global_batch_size=24, seed=0)
+model = torchrepro.InvariantDataParallel(net, loader)
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    for i, (x, y) in enumerate(loader):
+        nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        if (i + 1) % loader.accumulation_steps == 0:
+            opt.step()
+            opt.zero_grad()
+fp = torchrepro.fingerprint({"model": net.state_dict(), "opt": opt.state_dict()["state"]})
+out = [fp]
+if dist.is_initialized():
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, fp)
+    dist.barrier()
+if not dist.is_initialized() or dist.get_rank() == 0:
+    print(json.dumps({"fingerprints": out, "device": str(next(net.parameters()).device)}))
+sys.stdout.flush()
+os._exit(0)  # gloo's teardown may abort a rank whose peers left first; the result is printed
 """
 
 
 def check_invariant_data_parallel(ctx: Context) -> list[Row]:
+    """A CNN with BatchNorm and dropout trained by InvariantDataParallel on the device, strict
+    mode: two fresh single processes and a 2-process torchrun (gloo, both ranks on the device)
+    must end with the same weights and optimizer state."""
     check = "invariant_data_parallel"
-    res = run_python(HAS_IDP_CHILD, cwd=ctx.workdir, timeout=CHILD_TIMEOUT)
-    failed = _child_failed(check, res)
-    if failed:
-        return [failed]
-    if res.result["present"]:
-        return [_row(check, "skip", "present but not validated by this section yet", present=True)]
-    return [_row(check, "skip", "InvariantDataParallel is not built yet (issue 22)", present=False)]
+    code = _code(IDP_CHILD, device=ctx.device)
+    runs = {}
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    for name, prefix in (("1 process", ()), ("1 process again", ()), ("2 processes", torchrun)):
+        res = run_python(code, cwd=ctx.workdir / "idp", argv_prefix=prefix, timeout=CHILD_TIMEOUT * 2)
+        failed = _child_failed(check, res)
+        if failed:
+            return [failed]
+        runs[name] = res.result["fingerprints"]
+    every = {fp for fps in runs.values() for fp in fps}
+    ok = len(every) == 1 and len(runs["2 processes"]) == 2
+    detail = (
+        f"InvariantDataParallel on {ctx.device} (strict): "
+        + ", ".join(f"{name} {'/'.join(fp[:8] for fp in fps)}" for name, fps in runs.items())
+        + ("; the same bits" if ok else "; the bits differ")
+    )
+    return [_row(check, "pass" if ok else "fail", detail, fingerprints=runs)]
 
 
 AUDIT_SCRIPT = """

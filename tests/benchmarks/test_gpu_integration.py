@@ -110,9 +110,11 @@ def test_the_broken_script_parts_at_step_2_and_is_located_at_the_draw(rows: dict
 
 
 @pytest.mark.slow
-def test_invariant_data_parallel_is_skipped_until_built(rows: dict[str, Row]) -> None:
+def test_invariant_data_parallel_gives_the_same_bits_on_1_and_2_processes(rows: dict[str, Row]) -> None:
     row = rows["invariant_data_parallel"]
-    assert (row.status, row.detail) == ("skip", "InvariantDataParallel is not built yet (issue 22)")
+    assert row.status == "pass", row.detail
+    runs = row.data["fingerprints"]
+    assert set(runs) == {"1 process", "1 process again", "2 processes"} and len(runs["2 processes"]) == 2
 
 
 def test_a_check_that_raises_becomes_an_error_row_and_the_others_still_run(

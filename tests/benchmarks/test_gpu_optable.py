@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -205,9 +204,7 @@ def test_rows_on_cuda_pass_fail_or_error_by_record() -> None:
 
 def test_the_section_runs_every_case_on_the_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    start = time.perf_counter()
     rows = optable.run(Context("cpu", True, tmp_path))
-    elapsed = time.perf_counter() - start
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ, "the section must unset what it set"
     *cases, summary = rows
     assert [r.data["case"] for r in cases] == [c.name for c in optable.CASES]
@@ -224,7 +221,6 @@ def test_the_section_runs_every_case_on_the_cpu(tmp_path: Path, monkeypatch: pyt
     for name in ("max_unpool2d", "put_ accumulate=False", "resize_ of a quantized tensor"):
         assert by_name[name]["outcome"] == "raises", by_name[name]
     assert by_name["mm"]["outcome"] == "runs" and by_name["mm"]["equal_bits"] is True
-    assert elapsed < 20, f"the section took {elapsed:.1f} s on the CPU"
 
 
 @pytest.mark.requires_cuda
