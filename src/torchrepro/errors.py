@@ -102,11 +102,12 @@ class ReproAssertionError(AssertionError):
 
     An ``AssertionError`` (a test failure), not a ``ReproError``. ``target`` names what was checked;
     ``results`` holds the verdict of every check made (``CheckResult``, the failing one last) and
-    ``varied`` what each one varied (``None``: nothing, two plain runs).
+    ``varied`` what each one varied (its ``vary``: ``None`` for plain runs, a setting's name, or
+    the keyword arguments of a function's later runs).
     """
 
     def __init__(
-        self, message: str, *, target: str, results: tuple[CheckResult, ...], varied: tuple[str | None, ...]
+        self, message: str, *, target: str, results: tuple[CheckResult, ...], varied: tuple[object, ...]
     ) -> None:
         super().__init__(message)
         self.target = target

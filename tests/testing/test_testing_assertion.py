@@ -28,6 +28,16 @@ def train_linear(steps: int) -> None:
         opt.step()
 
 
+def train_at(steps: int, lr: float = 0.1) -> None:
+    """A function with a keyword argument that a variant can change."""
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+
+
 def train_from_entropy(steps: int) -> None:
     """Seeds itself from the OS after torchrepro did: each process starts from other weights."""
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
@@ -86,6 +96,17 @@ def test_a_function_target_runs_in_fresh_processes(user_dir: Path) -> None:
     )
 
 
+def test_a_variant_of_a_function_is_compared_against_the_plain_call(user_dir: Path) -> None:
+    """``vary={"lr": ...}``: the later runs call the function with that keyword argument."""
+    same = assert_reproducible(train_at, 2, vary={"lr": 0.1}, root="checks", locate=False)
+    assert same.reproducible is True and same.varied == "lr=0.1 in the later runs"
+    with pytest.raises(ReproAssertionError) as caught:  # negative control: a variant that differs
+        assert_reproducible(train_at, 2, vary={"lr": 0.2}, root="checks", locate=False)
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith("test_testing_assertion.train_at(2) (vary={'lr': 0.2}): NOT reproducible")
+    assert "compute at step 0" in first and "varied: lr=0.2 in the later runs" in str(caught.value)
+
+
 def test_wrong_targets_and_options_are_refused_before_anything_starts(user_dir: Path) -> None:
     with pytest.raises(TypeError, match=r"unexpected keyword argument.*'sed'.*options are steps, vary, runs"):
         assert_reproducible("train.py", sed=1)
@@ -95,6 +116,8 @@ def test_wrong_targets_and_options_are_refused_before_anything_starts(user_dir: 
         assert_reproducible("train.py", "--epochs", [2])
     with pytest.raises(LaunchError, match=r"script not found: 'missing\.py'"):
         assert_reproducible("missing.py")
-    with pytest.raises(ValueError, match="vary must be None, a name or a non-empty sequence"):
+    with pytest.raises(ValueError, match="vary must be None, a setting's name, a dict"):
         assert_reproducible(train_linear, vary=[])
+    with pytest.raises(TypeError, match="vary as a dict compares a function called with those keyword"):
+        assert_reproducible("train.py", vary={"resume_at": 3})
     assert list(user_dir.iterdir()) == []  # nothing was started or written

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from torchrepro.testing.runner import function_call, write_runner
+from torchrepro.testing.runner import LATER, function_call, write_runner
 
 
 def write_call(path: str, *values: Any, **named: Any) -> None:
@@ -49,6 +49,21 @@ def test_the_runner_calls_the_function_with_its_arguments_in_a_fresh_process(tmp
     assert got["args"] == ["1.5", "[1, 'a', None]", "{'k': True}"]
     assert got["named"] == {"where": repr(Path(tmp_path))}  # a path arrives as a pathlib.Path
     assert "torchrepro" not in runner.read_text().split("\n", 2)[2]  # standalone: no torchrepro import
+
+
+def test_the_later_runs_variant_adds_its_keyword_arguments(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    call = function_call(write_call, [str(out)], {"a": 1}).with_later({"resume_at": 3, "where": tmp_path})
+    runner = write_runner(tmp_path, call)
+    assert _run(runner, cwd=tmp_path).returncode == 0
+    assert json.loads(out.read_text())["named"] == {"a": "1"}  # plain: the call itself
+    proc = subprocess.run(
+        [sys.executable, "-I", str(runner), LATER], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())["named"] == {"a": "1", "resume_at": "3", "where": repr(tmp_path)}
+    with pytest.raises(TypeError, match="a variant of a call is a non-empty dict"):
+        call.with_later({})
 
 
 def test_a_test_method_is_called_on_a_new_instance_and_a_static_method_plainly(tmp_path: Path) -> None:

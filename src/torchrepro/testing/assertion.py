@@ -21,13 +21,13 @@ import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
 
 from torchrepro.check import CheckResult, check_script
 from torchrepro.errors import ReproAssertionError
-from torchrepro.testing.runner import FunctionCall, function_call, write_runner
+from torchrepro.testing.runner import LATER, RUNNER_NAME, FunctionCall, function_call, write_runner
 from torchrepro.verdict import describe_check
 
 __all__ = ["CHECK_OPTIONS", "Checker", "assert_reproducible", "check_call", "failure_message"]
@@ -49,6 +49,12 @@ CHECK_OPTIONS = (
 
 Target = str | os.PathLike[str] | Callable[..., Any]
 """A script path, ``"-m package.module"``, or a module-level function."""
+
+Variation = str | Mapping[str, Any] | None
+"""What the later runs of one check change: nothing, a setting (``"threads"``, ``"workers"``,
+``"hashseed"``), or, for a function, keyword arguments it is called with (``{"resume_at": 3}``)."""
+Variations = list[Variation] | tuple[Variation, ...]
+"""Several variations: one check each, in order."""
 
 _MODULE = re.compile(r"-m\s+([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*)\s*")
 
@@ -92,13 +98,23 @@ def _argument(value: Any, index: int) -> str:
     )
 
 
-def _varies(vary: str | Sequence[str] | None) -> list[str | None]:
-    if vary is None or isinstance(vary, str):
-        return [vary]
-    varies = list(vary)
-    if not varies or not all(isinstance(v, str) for v in varies):
-        raise ValueError(f"vary must be None, a name or a non-empty sequence of names, got {vary!r}")
-    return list(varies)
+def _varies(vary: Variation | Variations, launch: _Launch) -> list[Variation]:
+    varies: list[Variation] = list(vary) if isinstance(vary, (list, tuple)) else [vary]
+    if not varies or not all(isinstance(v, (str, Mapping)) for v in varies if v is not None):
+        raise ValueError(
+            f"vary must be None, a setting's name, a dict of keyword arguments or a non-empty sequence of "
+            f"them, got {vary!r}"
+        )
+    if launch.call is None and any(isinstance(v, Mapping) for v in varies):
+        raise TypeError(
+            "vary as a dict compares a function called with those keyword arguments against the plain call; "
+            f"{launch.name} is a script or module: vary its settings (threads, workers, hashseed) instead"
+        )
+    return varies
+
+
+def _variant_text(kwargs: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items()) + " in the later runs"
 
 
 def _options(options: Mapping[str, Any]) -> dict[str, Any]:
@@ -112,7 +128,7 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
     return dict(options)
 
 
-def failure_message(name: str, vary: str | None, result: CheckResult) -> str:
+def failure_message(name: str, vary: Variation, result: CheckResult) -> str:
     """The message of a failed ``assert_reproducible``: the verdict, its notes, the records."""
     who = name + (f" (vary={vary!r})" if vary is not None else "")
     if result.error is not None:
@@ -139,30 +155,44 @@ def _run(
     launch: _Launch,
     *,
     steps: int | None,
-    vary: str | Sequence[str] | None,
+    vary: Variation | Variations,
     runs: int,
     options: Mapping[str, Any],
     workdir: Path | None,
 ) -> tuple[CheckResult, ...]:
     __tracebackhide__ = True  # a failing test shows the user's call, then the verdict
-    varies = _varies(vary)
+    varies = _varies(vary, launch)
     check_options = _options(options)
     if workdir is not None:
         check_options.setdefault("root", workdir / "checks")
     results: list[CheckResult] = []
     with ExitStack() as stack:
-        script = launch.script
+        directory = "."
         if launch.call is not None:
             if workdir is not None:
                 workdir.mkdir(parents=True, exist_ok=True)
             directory = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="torchrepro-runner-", dir=workdir)
             )
-            script = os.fspath(write_runner(directory, launch.call))
-        for v in varies:
+        for index, v in enumerate(varies):
+            script, later = launch.script, None
+            if launch.call is not None:
+                call = launch.call.with_later(v) if isinstance(v, Mapping) else launch.call
+                name = RUNNER_NAME if index == 0 else RUNNER_NAME.replace(".py", f"{index}.py")
+                script = os.fspath(write_runner(directory, call, name=name))
+                later = [LATER] if isinstance(v, Mapping) else None
             result = check_script(
-                script, launch.argv, module=launch.module, runs=runs, steps=steps, vary=v, **check_options
+                script,
+                launch.argv,
+                module=launch.module,
+                runs=runs,
+                steps=steps,
+                vary=None if isinstance(v, Mapping) else v,
+                later_args=later,
+                **check_options,
             )
+            if isinstance(v, Mapping):
+                result = replace(result, varied=_variant_text(v))
             results.append(result)
             if not _passed(result):
                 raise ReproAssertionError(
@@ -179,7 +209,7 @@ def assert_reproducible(
     target: Target,
     *args: Any,
     steps: int | None = None,
-    vary: str | None = None,
+    vary: Variation = None,
     runs: int = 2,
     **options: Any,
 ) -> CheckResult: ...
@@ -190,7 +220,7 @@ def assert_reproducible(
     target: Target,
     *args: Any,
     steps: int | None = None,
-    vary: Sequence[str],
+    vary: Variations,
     runs: int = 2,
     **options: Any,
 ) -> tuple[CheckResult, ...]: ...
@@ -200,7 +230,7 @@ def assert_reproducible(
     target: Target,
     *args: Any,
     steps: int | None = None,
-    vary: str | Sequence[str] | None = None,
+    vary: Variation | Variations = None,
     runs: int = 2,
     **options: Any,
 ) -> CheckResult | tuple[CheckResult, ...]:
@@ -228,7 +258,7 @@ def assert_reproducible(
     __tracebackhide__ = True
     launch = _launch(target, args)
     results = _run(launch, steps=steps, vary=vary, runs=runs, options=options, workdir=None)
-    return results if vary is not None and not isinstance(vary, str) else results[0]
+    return results if isinstance(vary, (list, tuple)) else results[0]
 
 
 def check_call(
@@ -236,7 +266,7 @@ def check_call(
     *,
     name: str | None = None,
     steps: int | None = None,
-    vary: str | Sequence[str] | None = None,
+    vary: Variation | Variations = None,
     runs: int = 2,
     workdir: Path | None = None,
     **options: Any,
@@ -267,7 +297,7 @@ class Checker:
         target: Target,
         *args: Any,
         steps: int | None = None,
-        vary: str | None = None,
+        vary: Variation = None,
         runs: int = 2,
         **options: Any,
     ) -> CheckResult: ...
@@ -278,7 +308,7 @@ class Checker:
         target: Target,
         *args: Any,
         steps: int | None = None,
-        vary: Sequence[str],
+        vary: Variations,
         runs: int = 2,
         **options: Any,
     ) -> tuple[CheckResult, ...]: ...
@@ -288,7 +318,7 @@ class Checker:
         target: Target,
         *args: Any,
         steps: int | None = None,
-        vary: str | Sequence[str] | None = None,
+        vary: Variation | Variations = None,
         runs: int = 2,
         **options: Any,
     ) -> CheckResult | tuple[CheckResult, ...]:
@@ -296,7 +326,7 @@ class Checker:
         __tracebackhide__ = True
         launch = _launch(target, args)
         results = _run(launch, steps=steps, vary=vary, runs=runs, options=options, workdir=self.directory)
-        return results if vary is not None and not isinstance(vary, str) else results[0]
+        return results if isinstance(vary, (list, tuple)) else results[0]
 
     def __repr__(self) -> str:
         return f"Checker({os.fspath(self.directory)!r})"

@@ -11,6 +11,7 @@ Standard library only.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -43,10 +44,15 @@ def report_data(test_id: str, failure: ReproAssertionError) -> dict[str, Any]:
         "target": failure.target,
         "message": str(failure),
         "checks": [
-            {"vary": vary, **result.to_dict(), "check_dir": os.path.abspath(result.check_dir)}
+            {"vary": _jsonable(vary), **result.to_dict(), "check_dir": os.path.abspath(result.check_dir)}
             for vary, result in zip(failure.varied, failure.results, strict=True)
         ],
     }
+
+
+def _jsonable(vary: object) -> object:
+    """A ``vary`` value in JSON (a function variant's path arguments as strings)."""
+    return json.loads(json.dumps(vary, default=os.fspath))
 
 
 def write_report(directory: str | os.PathLike[str], test_id: str, failure: ReproAssertionError) -> list[Path]:

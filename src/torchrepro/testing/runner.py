@@ -23,20 +23,24 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 __all__ = ["FunctionCall", "function_call", "write_runner"]
 
 RUNNER_NAME = "torchrepro_runner.py"
+LATER = "--later"
+"""The runner's argument that adds the call's ``later_kwargs``."""
 
 
 @dataclass(frozen=True)
 class FunctionCall:
     """What the runner imports and calls: ``module``, ``qualname`` (``Class.method`` of a class
     whose instances need no arguments: a pytest test class), its ``file`` and import ``root``, and
-    the arguments encoded as ``[kind, value]`` (``json`` or ``path``)."""
+    the arguments encoded as ``[kind, value]`` (``json`` or ``path``). ``later_kwargs``: keyword
+    arguments the runner adds when started with ``--later`` (the later runs of a check that
+    compares a variant of the call against it)."""
 
     module: str
     qualname: str
@@ -44,6 +48,14 @@ class FunctionCall:
     root: str | None
     args: tuple[tuple[str, Any], ...]
     kwargs: tuple[tuple[str, tuple[str, Any]], ...]
+    later_kwargs: tuple[tuple[str, tuple[str, Any]], ...] = ()
+
+    def with_later(self, kwargs: Mapping[str, Any]) -> FunctionCall:
+        """This call, and for the later runs of a check the same call with ``kwargs`` added."""
+        if not kwargs or not all(isinstance(k, str) for k in kwargs):
+            raise TypeError(f"a variant of a call is a non-empty dict of keyword arguments, got {kwargs!r}")
+        encoded = tuple((key, _encode(value, f"argument {key!r}")) for key, value in kwargs.items())
+        return replace(self, later_kwargs=encoded)
 
     def describe(self) -> str:
         """``pkg.mod.train(3, lr=0.1)``: the call, as a person reads it."""
@@ -172,7 +184,7 @@ def _short(value: Any) -> str:
 
 _RUNNER = """\
 # Written by torchrepro.testing: calls {described} in a fresh process.
-# Standalone: `python {name}` makes the same call without torchrepro.
+# Standalone: `python {name}` makes the same call without torchrepro (`{later}`: the variant).
 
 import importlib
 import importlib.util
@@ -212,13 +224,15 @@ if __name__ == "__main__":
         target = getattr(owner(), part)  # a test method: pytest calls it on a new instance too
     args = [value(*a) for a in CALL["args"]]
     kwargs = {{k: value(*v) for k, v in CALL["kwargs"]}}
+    if sys.argv[1:] == [{later!r}]:  # the variant a check compares against the call above
+        kwargs.update((k, value(*v)) for k, v in CALL["later_kwargs"])
     target(*args, **kwargs)
 """
 
 
-def write_runner(directory: str | os.PathLike[str], call: FunctionCall) -> Path:
-    """Write the runner script of ``call`` into ``directory``; return its path."""
-    path = Path(directory) / RUNNER_NAME
+def write_runner(directory: str | os.PathLike[str], call: FunctionCall, *, name: str = RUNNER_NAME) -> Path:
+    """Write the runner script of ``call`` into ``directory`` as ``name``; return its path."""
+    path = Path(directory) / name
     search = [os.path.abspath(p or os.curdir) for p in sys.path]
     encoded = {
         "module": call.module,
@@ -228,7 +242,8 @@ def write_runner(directory: str | os.PathLike[str], call: FunctionCall) -> Path:
         "path": list(dict.fromkeys(p for p in search if os.path.exists(p))),
         "args": [list(a) for a in call.args],
         "kwargs": [[k, list(v)] for k, v in call.kwargs],
+        "later_kwargs": [[k, list(v)] for k, v in call.later_kwargs],
     }
-    text = _RUNNER.format(described=call.describe(), name=RUNNER_NAME, call=json.dumps(encoded, indent=1))
+    text = _RUNNER.format(described=call.describe(), name=name, later=LATER, call=json.dumps(encoded))
     path.write_text(text, encoding="utf-8")
     return path
