@@ -6,10 +6,10 @@ from torch import nn
 
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)  # the fix: a deterministic index_put_
-encoder = nn.Linear(8, 32)
+encoder = nn.Linear(8, 64)
 opt = torch.optim.SGD(encoder.parameters(), lr=0.1)
-bank = torch.zeros(32768, 32)  # one row per sample
-for _ in range(4):
+bank = torch.zeros(32768, 64)  # one row per sample
+for _ in range(8):
     ids = torch.randperm(32768)
     ids = torch.cat([ids, ids[torch.randperm(32768)]])  # two views of every sample, shuffled
     feats = encoder(torch.randn(65536, 8))

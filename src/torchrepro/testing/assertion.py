@@ -10,7 +10,8 @@ Invariants:
   a module-level function, run through a generated runner script (``testing.runner``); a
   function's arguments travel as JSON, a script's as its command line (``str()`` of each).
 - ``vary`` given as several values makes one check per value, in order, stopping at the first
-  that fails; each check compares ``runs`` fresh runs.
+  that fails; each check compares ``runs`` fresh runs. A dict varies a function's keyword
+  arguments: the later runs call it with them (``check_script(later_args=)``).
 - No torch in this process (a check's parent imports none).
 """
 
@@ -241,8 +242,9 @@ def assert_reproducible(
     a generated runner script imports and calls, so global state and process-start settings
     (``PYTHONHASHSEED``, the thread count) are as real as a script's; a lambda or a closure is a
     ``TypeError``. ``steps`` stops each run after that many training steps; ``vary`` changes a
-    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``; several: one check
-    each). ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``),
+    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``) or, for a function,
+    the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed midway must train
+    the bits of one that was not); a list of them makes one check each. ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``),
     ``no_seed``, ``threads``, ``nproc``, ``cpu_capability``, ``serial``, ``isolate`` (True),
     ``locate`` (True) and ``root``, where the records go (``.torchrepro/checks``).
 
