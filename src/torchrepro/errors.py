@@ -107,8 +107,13 @@ class ReproAssertionError(AssertionError):
     """
 
     def __init__(
-        self, message: str, *, target: str, results: tuple[CheckResult, ...], varied: tuple[object, ...]
-    ) -> None:
+        self,
+        message: str,
+        *,
+        target: str = "",
+        results: tuple[CheckResult, ...] = (),
+        varied: tuple[object, ...] = (),
+    ) -> None:  # defaults: unpickling calls cls(message), then restores the attributes
         super().__init__(message)
         self.target = target
         self.results = results

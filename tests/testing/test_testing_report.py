@@ -28,6 +28,21 @@ def test_different_test_ids_never_share_a_report(a: str, b: str) -> None:
     assert (names[0] == names[1]) == (a == b)
 
 
+def test_the_assertion_error_survives_pickling() -> None:
+    """pytest-xdist and multiprocessing move exceptions between processes."""
+    import pickle
+
+    result = CheckResult(reproducible=None, runs=2, steps_compared=0, first_divergence=None, check_dir="c")
+    error = ReproAssertionError("t.py: INCONCLUSIVE", target="t.py", results=(result,), varied=("threads",))
+    copy = pickle.loads(pickle.dumps(error))
+    assert (str(copy), copy.target, copy.results, copy.varied) == (
+        str(error),
+        "t.py",
+        (result,),
+        ("threads",),
+    )
+
+
 def test_a_report_holds_every_verdict_and_the_message(tmp_path: Path) -> None:
     divergence = Divergence(step=2, rank=0, kind="compute", key="optimizer0", op="aten.mm", location="t.py:3")
     passed = CheckResult(reproducible=True, runs=2, steps_compared=4, first_divergence=None, check_dir="c/1")

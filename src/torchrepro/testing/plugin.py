@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 MARKER = "reproducible"
 FIXTURE = "torchrepro"
-_REPORTED = pytest.StashKey[list[str]]()
-"""The ids of the tests a report was written for, in this session."""
+_SECTION = "torchrepro report"
+"""The section a failed check's test report gets: the report files, one a line."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -54,7 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "(runs of them, per vary value: threads, workers, hashseed) and fail unless they train "
         "identically (torchrepro; options: those of torchrepro.testing.assert_reproducible)",
     )
-    config.stash[_REPORTED] = []
+    if config.getoption("--torchrepro-report") is not None:
+        config.pluginmanager.register(_ReportSummary(config), "torchrepro-report-summary")
 
 
 @pytest.fixture
@@ -120,14 +121,24 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     from torchrepro.testing.report import write_report
 
     paths = write_report(directory, item.nodeid, failure)
-    item.config.stash[_REPORTED].append(item.nodeid)
-    outcome.get_result().sections.append(("torchrepro report", "\n".join(map(str, paths))))
+    outcome.get_result().sections.append((_SECTION, "\n".join(map(str, paths))))
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    reported = len(config.stash.get(_REPORTED, []))
-    if reported:
-        directory = config.getoption("--torchrepro-report")
-        terminalreporter.write_line(
-            f"torchrepro: {reported} report{'s' if reported != 1 else ''} of failed checks in {directory}"
-        )
+class _ReportSummary:
+    """Counts the tests whose report carries a report section (those of xdist workers included:
+    their reports reach this process) and names the directory at the end of the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.directory = config.getoption("--torchrepro-report")
+        self.tests: set[str] = set()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if any(name == _SECTION for name, _ in report.sections):
+            self.tests.add(report.nodeid)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.tests:
+            n = len(self.tests)
+            terminalreporter.write_line(
+                f"torchrepro: {n} report{'s' if n != 1 else ''} of failed checks in {self.directory}"
+            )
