@@ -40,6 +40,7 @@ CHECK_OPTIONS = (
     "mode",
     "no_seed",
     "nproc",
+    "portable",
     "root",
     "seed",
     "serial",
@@ -245,8 +246,8 @@ def assert_reproducible(
     setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``) or, for a function,
     the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed midway must train
     the bits of one that was not); a list of them makes one check each. ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``),
-    ``no_seed``, ``threads``, ``nproc``, ``cpu_capability``, ``serial``, ``isolate`` (True),
-    ``locate`` (True) and ``root``, where the records go (``.torchrepro/checks``).
+    ``no_seed``, ``threads``, ``nproc``, ``cpu_capability``, ``portable``, ``serial``, ``isolate``
+    (True), ``locate`` (True) and ``root``, where the records go (``.torchrepro/checks``).
 
     Raises ``ReproAssertionError`` (an ``AssertionError``) whose message is the verdict: the step,
     what differs, the op and line, what was compared. Inconclusive is a failure with its reason.
