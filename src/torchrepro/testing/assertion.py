@@ -109,8 +109,9 @@ def _varies(vary: Variation | Variations, launch: _Launch) -> list[Variation]:
         )
     if launch.call is None and any(isinstance(v, Mapping) for v in varies):
         raise TypeError(
-            "vary as a dict compares a function called with those keyword arguments against the plain call; "
-            f"{launch.name} is a script or module: vary its settings (threads, workers, hashseed) instead"
+            "vary as a dict compares a function called with those keyword arguments against the plain "
+            f"call; {launch.name} is a script or module: vary its settings (threads, workers, hashseed, "
+            "world) instead"
         )
     return varies
 
@@ -243,10 +244,11 @@ def assert_reproducible(
     a generated runner script imports and calls, so global state and process-start settings
     (``PYTHONHASHSEED``, the thread count) are as real as a script's; a lambda or a closure is a
     ``TypeError``. ``steps`` stops each run after that many training steps; ``vary`` changes a
-    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``) or, for a function,
-    the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed midway must train
-    the bits of one that was not); a list of them makes one check each. ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``),
-    ``no_seed``, ``threads``, ``nproc``, ``cpu_capability``, ``portable``, ``serial``, ``isolate``
+    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``, ``"world"``) or, for
+    a function, the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed
+    midway must train the bits of one that was not); a list of them makes one check each.
+    ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``), ``no_seed``,
+    ``threads``, ``nproc``, ``cpu_capability``, ``portable``, ``serial``, ``isolate``
     (True), ``locate`` (True) and ``root``, where the records go (``.torchrepro/checks``).
 
     Raises ``ReproAssertionError`` (an ``AssertionError``) whose message is the verdict: the step,
