@@ -241,6 +241,29 @@ def test_using_trace_loads_tracing() -> None:
     assert "torchrepro.tracing.tracer" in loaded
 
 
+def test_the_pytest_plugin_imports_nothing_heavy() -> None:
+    """The plugin loads in every pytest session wherever torchrepro is installed: pytest and the
+    standard library only, until a test uses the fixture or the marker."""
+    loaded = _loaded_after("import pytest; import torchrepro.testing.plugin", first="pass")
+    assert "torch" not in loaded and "numpy" not in loaded
+    assert sorted(m for m in loaded if m.startswith("torchrepro.")) == [
+        "torchrepro._lazy",
+        "torchrepro.errors",
+        "torchrepro.testing",
+        "torchrepro.testing.plugin",
+    ]
+
+
+def test_only_the_plugin_imports_pytest() -> None:
+    """pytest is no dependency: the library and ``assert_reproducible`` work without it."""
+    importers = [
+        _name(p)
+        for p in MODULES
+        if re.search(r"^\s*(import pytest|from pytest|from _pytest)", p.read_text(encoding="utf-8"), re.M)
+    ]
+    assert importers == ["torchrepro.testing.plugin"]
+
+
 def test_the_command_lines_parent_imports_no_torch() -> None:
     """Parsing arguments and starting children (run, check, compare) never pays for ``import torch``."""
     parent = "import torchrepro.cli, torchrepro.launch, torchrepro.check, torchrepro.compare"

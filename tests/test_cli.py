@@ -16,7 +16,7 @@ import pytest
 
 from torchrepro._child.spec import CPU_CAPABILITIES
 from torchrepro.check import VARY_CHOICES, CheckResult
-from torchrepro.cli import _render_divergence, _script_target, build_parser, main
+from torchrepro.cli import _script_target, build_parser, main
 from torchrepro.compare import Coverage, Divergence
 from torchrepro.env import Environment
 from torchrepro.flags import MODES
@@ -191,31 +191,6 @@ def test_run_with_nproc_zero_creates_nothing(
 
 
 # --- compare --------------------------------------------------------------------------------------
-
-
-def test_render_divergence() -> None:
-    d = Divergence(step=3, rank=0, kind="compute", key="optimizer0")
-    assert _render_divergence(d) == "compute at step 3"
-    assert _render_divergence(replace(d, rank=2)) == "compute at step 3, rank 2"
-    located = replace(d, op="aten.mm", module="fc", location="t.py:9")
-    assert _render_divergence(located) == "compute at step 3; op aten.mm, module fc, location t.py:9"
-    grad = replace(located, name="grad:fc.weight", shape=(2, 3), dtype="float32")
-    assert _render_divergence(grad) == (
-        "compute at step 3; first differing: gradient of fc.weight float32[2, 3], "
-        "op aten.mm, module fc, location t.py:9"
-    )
-    state = replace(d, key="optimizer1", name="state:fc.bias:exp_avg")
-    assert _render_divergence(state) == (
-        "compute at step 3 (of optimizer1); first differing: optimizer state 'exp_avg' of fc.bias"
-    )
-    data = Divergence(step=0, rank=0, kind="data", key="loader1", location="t.py:1", name='["ids"]')
-    assert _render_divergence(data) == (
-        'data at batch 0 (of loader1); first differing: batch field ["ids"], loader created at t.py:1'
-    )
-    init = Divergence(step=0, rank=0, kind="init", key="backward", name="param:enc.weight")
-    assert _render_divergence(init) == (
-        "init at step 0 (parameters at the first backward()); first differing: parameter enc.weight"
-    )
 
 
 ENV = Environment(torch_version="2.4.0", python_version="3.11.4", num_threads=4, hostname="alpha")

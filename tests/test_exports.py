@@ -55,3 +55,23 @@ def test_version_and_help_from_the_console() -> None:
     assert out.returncode == 0
     for command in ("run", "check", "compare", "audit", "env"):
         assert command in out.stdout
+
+
+def test_testing_is_a_lazy_submodule_with_a_documented_surface() -> None:
+    """``torchrepro.testing.assert_reproducible`` works after a bare ``import torchrepro``, and
+    ``torchrepro.testing`` lists its names like the face does."""
+    code = (
+        "import sys, json, torchrepro; before = set(sys.modules); t = torchrepro.testing; "
+        "print(json.dumps([t.__name__, sorted(set(sys.modules) - before)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    name, loaded = json.loads(out.stdout)
+    assert name == "torchrepro.testing"
+    assert [m for m in loaded if m.startswith("torchrepro")] == ["torchrepro.testing"]  # no submodule yet
+    import torchrepro.testing as testing
+
+    assert (
+        testing.__all__ == sorted(testing.__all__) == sorted(n for n in dir(testing) if not n.startswith("_"))
+    )
+    assert all((getattr(testing, n).__doc__ or "").strip() for n in testing.__all__)
+    assert "testing" in dir(torchrepro) and "testing" not in torchrepro.__all__  # a module, not a name

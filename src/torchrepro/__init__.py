@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from torchrepro._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from torchrepro import testing  # noqa: F401
     from torchrepro._version import __version__  # noqa: F401
     from torchrepro.audit import AuditReport, Finding, audit_ops, audit_script  # noqa: F401
     from torchrepro.checkpoint import (
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
         InvariantTrainingError,
         LaunchError,
         LoaderConfigError,
+        ReproAssertionError,
         ReproError,
         ReproWarning,
         RngStateError,
@@ -68,6 +70,7 @@ __all__ = [
     "InvariantTrainingError",
     "LaunchError",
     "LoaderConfigError",
+    "ReproAssertionError",
     "ReproError",
     "ReproWarning",
     "RngState",
@@ -110,6 +113,7 @@ _WHERE = {
             "InvariantTrainingError",
             "LaunchError",
             "LoaderConfigError",
+            "ReproAssertionError",
             "ReproError",
             "ReproWarning",
             "RngStateError",
@@ -153,7 +157,8 @@ _WHERE = {
     "diff_env": "env",
     "load_env": "env",
     "__version__": "_version",
+    "testing": "testing",  # a submodule: torchrepro.testing.assert_reproducible
 }
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _WHERE, [*__all__, "__version__"])
+__getattr__, __dir__ = lazy_exports(__name__, _WHERE, [*__all__, "__version__", "testing"])

@@ -17,14 +17,15 @@ __all__ = ["lazy_exports"]
 def lazy_exports(
     package: str, where: Mapping[str, str], listed: Sequence[str]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """The ``__getattr__`` and ``__dir__`` of ``package``: ``where`` maps a name to its submodule;
-    ``dir()`` lists ``listed``."""
+    """The ``__getattr__`` and ``__dir__`` of ``package``: ``where`` maps a name to its submodule
+    (a name mapped to itself is the submodule: ``torchrepro.testing``); ``dir()`` lists ``listed``."""
 
     def __getattr__(name: str) -> Any:
         submodule = where.get(name)
         if submodule is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{submodule}"), name)
+        module = importlib.import_module(f"{package}.{submodule}")
+        value = module if name == submodule else getattr(module, name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -35,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,8 +100,9 @@ class CheckResult:
     were kept apart; ``shared_writes`` are the paths runs running together both wrote anyway.
     ``reason`` is the headline's why: the specific reason of an inconclusive check, or, for runs
     that differ only in the final state, that the training which changed it was not recorded.
-    ``varied`` is what ``--vary`` changed, in words (``1 vs 2 threads``). ``optimizer_steps``
-    counts the optimizer steps compared per optimizer (``steps_compared`` counts training steps).
+    ``varied`` is what ``--vary`` (and ``later_args``) changed, in words (``1 vs 2 threads``).
+    ``optimizer_steps`` counts the optimizer steps compared per optimizer (``steps_compared``
+    counts training steps).
     ``portable`` is what portable mode set in the runs (``MKL_CBWR``, ``ATEN_CPU_CAPABILITY``,
     ``onednn``: False), None when it was off.
     ``world`` (``--vary world``) says which ranks and events were compared across world sizes;
@@ -187,6 +189,11 @@ def _world_sizes(vary: str | None, nproc: int | None, runs: int) -> list[int | N
     return [1, *[larger] * (runs - 1)]
 
 
+def _args_text(args: Sequence[str], later_args: Sequence[str]) -> str:
+    """What ``later_args`` changed, in words: ``arguments 'a' vs 'b'``."""
+    return f"arguments {shlex.join(args) or '(none)'!r} vs {shlex.join(later_args) or '(none)'!r}"
+
+
 def _varied_text(vary: str | None, specs: Sequence[ChildSpec]) -> str | None:
     """What ``--vary threads|hashseed`` changed, in words (``1 vs 2 threads``); workers: None
     (the runs' records say, ``check_runs.varied_workers``); world: ``WorldScope.varied``."""
@@ -248,10 +255,14 @@ def check_script(
     locate: bool = True,
     serial: bool = False,
     isolate: bool = True,
+    later_args: Sequence[str] | None = None,
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
+
+    ``later_args``: the runs after the first get these arguments instead of ``args`` (a variant
+    of the script compared against it: a run resumed midway against one that was not).
 
     ``serial=True`` runs one run at a time (each later one compared live against the first):
     slower, but one run's processes at a time (a GPU that fits one run, not two).
@@ -281,7 +292,14 @@ def check_script(
     check_target(script, module, args, command="check")
     worlds = _world_sizes(vary, nproc, runs)
     commands = [  # validates nproc
-        build_command(script, args, module=module, nproc=n, watch_writes=True) for n in worlds
+        build_command(
+            script,
+            args if i == 0 or later_args is None else later_args,
+            module=module,
+            nproc=n,
+            watch_writes=True,
+        )
+        for i, n in enumerate(worlds)
     ]
     check_dir = runrecord.new_run_dir(root)
     isolation, layers = _isolation(check_dir, enabled=isolate)
@@ -298,6 +316,7 @@ def check_script(
             nprocs=worlds,
             seed=seed,
             vary=vary,
+            varied_args=None if later_args is None else _args_text(args, later_args),
             locate=locate,
             serial=serial,
             progress=progress,
@@ -342,12 +361,14 @@ def _check(
     nprocs: list[int | None],
     seed: int,
     vary: str | None,
+    varied_args: str | None,
     locate: bool,
     serial: bool,
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
     start_notes: Sequence[str] = (),
 ) -> CheckResult:
+    """The check of ``check_script``: ``commands`` holds each run's command line."""
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
     world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
     specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
@@ -437,7 +458,7 @@ def _check(
             first, locate_notes = _locate(
                 first,
                 check_dir,
-                commands[0],
+                (commands[0], commands[other]),
                 (specs[0], specs[other]),
                 ranks=ranks,
                 layers=layers,
@@ -472,6 +493,8 @@ def _check(
                 "inconclusive: --vary workers varied nothing (the script created no DataLoader), so "
                 "the runs were not loaded differently; the verdict would only repeat a plain check"
             )
+    if varied_args is not None:
+        varied = varied_args if varied is None else f"{varied}; {varied_args}"
     compared = steps_compared(cursors)
     if base.max_steps is not None and (first is None or first.final_state):  # the runs ran to their end
         steps_note = _steps_note(base.max_steps, covered, compared, unrecorded=bool(unranked))
@@ -523,7 +546,7 @@ def _thread_notes(op: str | None, *, portable: bool) -> list[str]:
 def _locate(
     first: Divergence,
     check_dir: Path,
-    command: list[str],
+    commands: tuple[list[str], list[str]],
     specs: tuple[ChildSpec, ChildSpec],
     *,
     ranks: int,
@@ -538,7 +561,7 @@ def _locate(
     for attempt in range(LOCATE_ATTEMPTS):
         base = check_dir / f"locate{attempt}"
         sides = []
-        for side, (index, spec) in zip("ab", enumerate(specs), strict=True):
+        for side, (index, spec), command in zip("ab", enumerate(specs), commands, strict=True):
             traced = spec.replace(
                 max_steps=k + 1,
                 trace_step=k,

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchrepro._version import __version__
 from torchrepro.errors import ReproError
-from torchrepro.events import BACKWARD_KEY, describe_name, is_step
+from torchrepro.events import describe_name
+from torchrepro.verdict import describe_check, describe_divergence, describe_final_state, describe_steps
 
 if TYPE_CHECKING:
     from torchrepro.audit import AuditReport
-    from torchrepro.compare import Divergence
     from torchrepro.env import EnvDifference
 
 EXIT_OK = 0
@@ -333,48 +333,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
-def _render_divergence(divergence: Divergence) -> str:
-    d = divergence
-    step = f"batch {d.step}" if d.kind == "data" else f"step {d.step}"
-    where = f"{d.kind} at {step}" + (f", rank {d.rank}" if d.rank else "")
-    of = {"data": f"of {d.key}", "record": f"of record {d.key!r}"}.get(d.kind, f"of {d.key}")
-    if d.key == BACKWARD_KEY:
-        where += " (parameters at the first backward())" if d.kind == "init" else " (a backward() step)"
-    elif d.key and not is_step(d.kind, d.key):
-        where += f" ({of})" if d.kind != "init" else f" (parameters given to {d.key})"
-    extra = []
-    what = d.what()
-    if what:
-        extra.append(f"first differing: {what}")
-    if d.kind == "data" and d.location:
-        extra.append(f"loader created at {d.location}")
-    elif d.op:
-        extra += [f"{k} {v}" for k, v in (("op", d.op), ("module", d.module), ("location", d.location)) if v]
-    return where + ("; " + ", ".join(extra) if extra else "")
-
-
-def _steps_text(steps: int, per_optimizer: dict[str, int]) -> str:
-    """Training steps as the user counts them: ``20 training steps (40 optimizer steps: 2
-    optimizers x 20)`` when several optimizers stepped."""
-    text = f"{steps} training step{'s' if steps != 1 else ''}"
-    counts = list(per_optimizer.values())
-    if len(counts) > 1:
-        split = (
-            f"{len(counts)} optimizers x {counts[0]}"
-            if len(set(counts)) == 1
-            else f"{' + '.join(map(str, counts))} of {len(counts)} optimizers"
-        )
-        text += f" ({sum(counts)} optimizer steps: {split})"
-    return text
-
-
-def _render_final_state(divergence: Divergence) -> str:
-    """The differing tensor of a divergence seen only in the final state."""
-    what = divergence.what()
-    where = f" (rank {divergence.rank})" if divergence.rank else ""
-    return f"first differing: {what}{where}" if what else f"the final state{where}"
-
-
 def _cmd_check(args: argparse.Namespace) -> int:
     import json
 
@@ -430,44 +388,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(verdict, allow_nan=False))
     elif result.error is None:
-        steps = _steps_text(result.steps_compared, result.optimizer_steps)
-        varied = f"; varied: {result.varied}" if result.varied else ""
-        d = result.first_divergence
-        if result.inconclusive:
-            print(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
-            print(f"  ({result.runs} runs did not differ; {steps} compared{varied})")
-        elif result.reproducible:
-            with_varied = f" with {result.varied}" if result.varied else ""
-            print(f"reproducible: {result.runs} runs identical over {steps}{with_varied}")
-        elif d is not None and d.final_state and result.reason:
-            print(f"NOT reproducible: {result.reason}")
-            print(f"  {_render_final_state(d)} ({steps} compared{varied})")
-        else:
-            assert d is not None
-            print(f"NOT reproducible: first divergence: {_render_divergence(d)}")
-            if result.reason:  # across world sizes: why the runs part, and the fix
-                print(f"  {result.reason}")
-            print(f"  ({steps} compared{varied})")
-        if result.coverage is not None:
-            print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
-        if result.portable is not None:
-            print(f"  portable: {_portable_text(result.portable)}")
-        if result.world is not None:
-            print(f"  {result.world.describe()}")
-        if result.isolation is not None:
-            print(f"  isolation: {result.isolation.describe()}")
+        print("\n".join(describe_check(result)))
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
     if result.error is not None:
         return EXIT_USAGE
     if result.inconclusive:
         return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS
-
-
-def _portable_text(values: dict[str, Any]) -> str:
-    """``MKL_CBWR=AVX2,STRICT, ATEN_CPU_CAPABILITY=avx2, oneDNN off`` (an unset variable: left out)."""
-    shown = [f"{k}={v}" for k, v in values.items() if k != "onednn" and v is not None]
-    return ", ".join([*shown, "oneDNN off"])
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -480,7 +407,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, allow_nan=False))
     else:
-        steps = _steps_text(result.steps_compared, result.optimizer_steps)
+        steps = describe_steps(result.steps_compared, result.optimizer_steps)
         d = result.first_divergence
         if result.reproducible is None:
             print(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
@@ -489,10 +416,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
             print(f"identical: {steps} compared")
         elif d is not None and d.final_state and result.reason:
             print(f"NOT identical: {result.reason}")
-            print(f"  {_render_final_state(d)} ({steps} compared)")
+            print(f"  {describe_final_state(d)} ({steps} compared)")
         else:
             assert d is not None
-            print(f"NOT identical: first divergence: {_render_divergence(d)}")
+            print(f"NOT identical: first divergence: {describe_divergence(d)}")
             if result.reason:  # runs on different numbers of processes: why they part
                 print(f"  {result.reason}")
         for note in result.notes:

@@ -1,13 +1,18 @@
 """Errors and warnings raised by torchrepro.
 
 Invariants: every exception the library raises on purpose is a ``ReproError`` (or a built-in
-``TypeError``/``ValueError`` for plainly wrong arguments); every warning is a ``ReproWarning``,
+``TypeError``/``ValueError`` for plainly wrong arguments), except the one failure of a test,
+``ReproAssertionError`` (an ``AssertionError``); every warning is a ``ReproWarning``,
 emitted at most once per process per key, with ``stacklevel`` pointing at the user's line.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchrepro.check import CheckResult
 
 __all__ = [
     "CheckpointError",
@@ -18,6 +23,7 @@ __all__ = [
     "InvariantTrainingError",
     "LaunchError",
     "LoaderConfigError",
+    "ReproAssertionError",
     "ReproError",
     "ReproWarning",
     "RngStateError",
@@ -88,6 +94,30 @@ class TraceError(ReproError):
 
 class EnvFileError(ReproError):
     """An environment or run-record file is unreadable or malformed."""
+
+
+class ReproAssertionError(AssertionError):
+    """``torchrepro.testing.assert_reproducible`` failed: the runs differ, the verdict is
+    inconclusive, or the training failed. The message is the verdict in words.
+
+    An ``AssertionError`` (a test failure), not a ``ReproError``. ``target`` names what was checked;
+    ``results`` holds the verdict of every check made (``CheckResult``, the failing one last) and
+    ``varied`` what each one varied (its ``vary``: ``None`` for plain runs, a setting's name, or
+    the keyword arguments of a function's later runs).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        target: str = "",
+        results: tuple[CheckResult, ...] = (),
+        varied: tuple[object, ...] = (),
+    ) -> None:  # defaults: unpickling calls cls(message), then restores the attributes
+        super().__init__(message)
+        self.target = target
+        self.results = results
+        self.varied = varied
 
 
 class ReproWarning(UserWarning):
