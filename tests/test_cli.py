@@ -262,7 +262,12 @@ def test_compare_of_a_missing_record(
     a = make_record(tmp_path / "a", ["x"])
     assert main(["compare", "/nonexistent/run", a, *json_flag]) == 2
     out, err = capsys.readouterr()
-    assert out == ""
+    if json_flag:  # stdout stays JSON: the error as an object
+        error = json.loads(out)["error"]
+        assert (error["kind"], error["command"], error["exit_code"]) == ("error", "compare", 2)
+        assert error["message"].startswith("run record not found: '/nonexistent/run'")
+    else:
+        assert out == ""
     assert err.startswith("torchrepro compare: error: run record not found: '/nonexistent/run'")
     assert "Traceback" not in err and err.count("\n") == 1
 

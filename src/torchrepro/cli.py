@@ -36,7 +36,22 @@ class _Parser(argparse.ArgumentParser):
     """A usage error is one line (what was wrong, where to look) and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        global _usage_error
+        _usage_error = f"{message} (see `{self.prog} --help`)"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_usage_error}\n")
+
+
+_usage_error: str | None = None
+"""The last usage error a parser reported (``main`` prints it as JSON under ``--json``)."""
+
+
+def _json_error(command: str | None, message: str, kind: str) -> None:
+    """The error as one JSON object on stdout (``--json``): a program reading stdout gets JSON."""
+    import json
+
+    print(
+        json.dumps({"error": {"kind": kind, "command": command, "message": message, "exit_code": EXIT_USAGE}})
+    )
 
 
 class _TopParser(_Parser):
@@ -127,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "script failed, 3 inconclusive (nothing beyond init compared on some rank); a script killed "
         "by signal N: 128+N.",
     )
-    parser.add_argument("--version", action="version", version=f"torchrepro {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"torchrepro {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("run", help="run a script with every RNG seeded and determinism switches set")
@@ -245,6 +260,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
+    p = sub.add_parser(
+        "clean",
+        help="remove old run and check records from .torchrepro/",
+        description="Keep the KEEP newest records of each kind (.torchrepro/runs/, .torchrepro/checks/) "
+        "and remove the others. A record a run is writing, or one changed in the last minute, is "
+        "never removed; anything not named like a record is left alone.",
+    )
+    p.add_argument(
+        "--keep",
+        type=_integer(0, "a number of records"),
+        default=10,
+        help="records kept of each kind (default 10)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    p.add_argument("--root", default=".torchrepro", help="the records directory (default .torchrepro)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
     p = sub.add_parser("env", help="the environment fingerprint, or the diff of two")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(
@@ -346,7 +378,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if p.phase == "locating":
             line = "locating the first differing op..."
         else:
-            line = "steps " + " | ".join(f"run {i + 1}: {s}" for i, s in enumerate(p.steps))
+            total = f"/{args.steps}" if args.steps is not None else ""  # a total only when it is known
+            line = "steps " + " | ".join(f"run {i + 1}: {s}{total}" for i, s in enumerate(p.steps))
             if not tty:  # a log, not a live line: one progress line every few seconds is plenty
                 now = time.monotonic()
                 if now - last_line_at[0] < 5.0:
@@ -522,6 +555,25 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_clean(args: argparse.Namespace) -> int:
+    import json
+
+    from torchrepro.runrecord import clean_records
+
+    report = clean_records(args.root, keep=args.keep, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+        return EXIT_OK
+    verb = "would remove" if args.dry_run else "removed"
+    for path in report.removed:
+        print(f"{verb} {path}")
+    for path in report.in_use:
+        print(f"kept {path} (in use, or changed in the last minute)")
+    left = len(report.kept) + len(report.in_use)
+    print(f"torchrepro clean: {verb} {len(report.removed)} record(s), kept {left}")
+    return EXIT_OK
+
+
 def _cmd_env(args: argparse.Namespace) -> int:
     import json
 
@@ -602,16 +654,31 @@ _COMMANDS = {
     "audit": _cmd_audit,
     "env": _cmd_env,
     "status": _cmd_status,
+    "clean": _cmd_clean,
 }
+
+
+def _own_args(raw: list[str]) -> list[str]:
+    """torchrepro's own arguments: those before the script (or ``-m MODULE``) and its arguments."""
+    for i, arg in enumerate(raw):
+        if arg == "-m" or arg.endswith(".py"):
+            return raw[:i]
+    return raw
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torchrepro`` console script; returns the exit code."""
+    global _usage_error
     parser = build_parser()
+    raw = list(sys.argv[1:] if argv is None else argv)
+    _usage_error = None
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) or a usage error (2), already printed
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        code = exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        if code == EXIT_USAGE and _usage_error is not None and "--json" in _own_args(raw):
+            _json_error(next((a for a in raw if not a.startswith("-")), None), _usage_error, "usage")
+        return code
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -626,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _COMMANDS[args.command](args)
     except ReproError as exc:
         print(f"torchrepro {args.command}: error: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            _json_error(args.command, str(exc), "error")
         return EXIT_USAGE
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM/SIGHUP (launch.Terminated)
         signum = getattr(exc, "signum", signal.SIGINT)

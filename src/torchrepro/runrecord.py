@@ -131,6 +131,9 @@ def _ignore_records(base: Path) -> None:
             return
 
 
+_RUN_ID_RE = re.compile(r"\d{8}-\d{6}-\d+-[0-9a-f]{12}")  # what new_run_id() makes
+
+
 def new_run_dir(root: str | os.PathLike[str] = ".torchrepro/runs") -> Path:
     """Create and return a fresh run directory under ``root`` (never an existing one)."""
     base = Path(root)
@@ -633,3 +636,84 @@ def load_run(path: str | os.PathLike[str]) -> RunRecord:
         settings=None if raw_settings is None else RunSettings.from_dict(raw_settings),
         traces=traces,
     )
+
+
+# --------------------------------------------------------------------------- cleaning up
+
+RECORD_KINDS = ("runs", "checks")
+"""The record directories below ``.torchrepro``: ``torchrepro run``'s and ``check``'s."""
+
+
+@dataclass(frozen=True)
+class CleanReport:
+    """What ``clean_records`` removed (or would, with ``dry_run``) and what it left."""
+
+    removed: tuple[str, ...]
+    kept: tuple[str, ...]
+    in_use: tuple[str, ...]  # records a run is writing (or made in the last minute): never removed
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "removed": list(self.removed),
+            "kept": list(self.kept),
+            "in_use": list(self.in_use),
+            "dry_run": self.dry_run,
+        }
+
+
+def _in_use(record: Path, now: float) -> bool:
+    """Whether a run holds a lock in ``record`` (or its ``run<i>/``), or it changed a minute ago."""
+    try:
+        if now - record.stat().st_mtime < 60:
+            return True
+        locks = [record / LOCK_FILE, *record.glob(f"*/{LOCK_FILE}")]
+    except OSError:
+        return True
+    for lock in locks:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
+def clean_records(
+    root: str | os.PathLike[str] = ".torchrepro", *, keep: int = 10, dry_run: bool = False
+) -> CleanReport:
+    """Remove all but the ``keep`` newest records of each kind (``runs/``, ``checks/``) below
+    ``root``; a record a run is writing, or one changed in the last minute, is never removed.
+
+    Records are ordered by their names (a UTC time stamp first, see ``new_run_id``). Only
+    directories named like records are considered; anything else below ``root`` is left alone.
+    """
+    import shutil
+
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise SettingsError(f"keep must be an int >= 0 (records kept of each kind), got {keep!r}")
+    base = Path(root)
+    removed: list[str] = []
+    kept: list[str] = []
+    in_use: list[str] = []
+    now = time.time()
+    for kind in RECORD_KINDS:
+        directory = base / kind
+        if not directory.is_dir():
+            continue
+        records = sorted(p for p in directory.iterdir() if p.is_dir() and _RUN_ID_RE.fullmatch(p.name))
+        old = records[: max(len(records) - keep, 0)]
+        kept += [str(p) for p in records[len(old) :]]
+        for record in old:
+            if _in_use(record, now):
+                in_use.append(str(record))
+                continue
+            if not dry_run:
+                shutil.rmtree(record, ignore_errors=True)
+            removed.append(str(record))
+    return CleanReport(tuple(removed), tuple(kept), tuple(in_use), dry_run)
