@@ -386,6 +386,18 @@ def test_a_stream_without_max_steps_is_refused_with_the_fix(tmp_path: Path, rng_
     trainer.train_dataset = stream  # set after construction: refused when the loader is built
     with pytest.raises(LoaderConfigError, match="its length is known only once it is read"):
         trainer.get_train_dataloader()
+    # with max_steps: each loader built restores the stream's position; the Trainer's copy of the
+    # arguments skips its own fast-forward, the caller's are left as given
+    given = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2
+    )
+    streaming = TorchreproTrainer(model=_Regression(), args=given, train_dataset=stream)
+    for _ in range(2):
+        assert streaming.get_train_dataloader().restores
+        assert streaming.args.ignore_data_skip and not given.ignore_data_skip
+    streaming.train_dataset = [{"x": torch.zeros(2)}]
+    streaming.get_train_dataloader()
+    assert not streaming.args.ignore_data_skip  # map-style again: the Trainer's own resume
     mapped = TorchreproTrainer(
         model=_Regression(), args=args, train_dataset=[{"x": torch.zeros(2)}], shuffle_buffer=8
     )

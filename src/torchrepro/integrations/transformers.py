@@ -215,9 +215,11 @@ class TorchreproTrainerMixin(_TrainerBase):
 
     def __init__(self, *args: Any, shuffle_buffer: int | None = None, **kwargs: Any) -> None:
         _check_stream_arguments(super().__init__, args, kwargs)
+        self.shuffle_buffer = shuffle_buffer
+        # (our copy of the arguments, the caller's ignore_data_skip): see get_train_dataloader
+        self._tr_args_copy: tuple[Any, bool] = (None, False)
         super().__init__(*args, **kwargs)
         self.seeded_train_loader: SeededLoader | None = None
-        self.shuffle_buffer = shuffle_buffer
         self.add_callback(_SeededEpochs(self))
         self.add_callback(TorchreproStreamPosition())
 
@@ -260,13 +262,20 @@ class TorchreproTrainerMixin(_TrainerBase):
             multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None),
             **streaming,
         )
+        # The Trainer's fast-forward would iterate a stream from its start: the loader restores its
+        # own position instead, and the Trainer gets a copy of its arguments with ignore_data_skip
+        # (the caller's stay as given).
+        copied, given = self._tr_args_copy
+        if args is not copied:
+            given = args.ignore_data_skip
         if isinstance(loader, _TrainerStream):
-            loader.restores = not args.ignore_data_skip
+            loader.restores = not given
             if not args.ignore_data_skip:
-                # The Trainer's fast-forward would iterate the stream from its start; the loader
-                # restores its own position instead (a copy: the caller's arguments stay as given).
-                self.args = copy.copy(args)
-                self.args.ignore_data_skip = True
+                self.args = args = copy.copy(args)
+                args.ignore_data_skip = True
+                self._tr_args_copy = (args, given)
+        elif args is copied:
+            args.ignore_data_skip = given  # the copy, for a map-style dataset now
         self.seeded_train_loader = loader
         return loader
 
@@ -305,8 +314,8 @@ def _stream(dataset: Any) -> ShardedDataset | None:
 def _check_max_steps(max_steps: int) -> None:
     if max_steps <= 0:
         raise LoaderConfigError(
-            f"TorchreproTrainer streams this train dataset (a torchrepro.ShardedDataset or a "
-            f"datasets.IterableDataset): its length is known only once it is read, so the Trainer "
+            "TorchreproTrainer streams this train dataset (a torchrepro.ShardedDataset or a "
+            "datasets.IterableDataset): its length is known only once it is read, so the Trainer "
             f"cannot count the steps of an epoch, and TrainingArguments(max_steps={max_steps}) leaves "
             "the number of steps unknown. Pass TrainingArguments(max_steps=N): training runs N "
             "optimizer steps, through as many epochs of the stream as they take."
@@ -321,15 +330,8 @@ def _check_stream_arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, 
     except (TypeError, ValueError):
         return  # the Trainer reports its own arguments
     training_args = bound.get("args")
-    if _stream_like(bound.get("train_dataset")) and training_args is not None:
+    if training_args is not None and _stream(bound.get("train_dataset")) is not None:
         _check_max_steps(getattr(training_args, "max_steps", 0))
-
-
-def _stream_like(dataset: Any) -> bool:
-    datasets: Any = sys.modules.get("datasets")
-    return isinstance(dataset, ShardedDataset) or (
-        datasets is not None and isinstance(dataset, datasets.IterableDataset)
-    )
 
 
 class TorchreproTrainer(TorchreproTrainerMixin, transformers.Trainer):
