@@ -164,6 +164,33 @@ def test_a_resume_reads_only_the_shards_still_holding_samples() -> None:
     assert len(counted.reads) < TOTAL - 20 * BATCH + 8 + max(LENGTHS)  # the rest, the buffer, one shard
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_parts_the_framework_integrations_use(drop_last: bool) -> None:
+    """``_state`` (a position the loop is at, behind the loader's), ``_rest_is_empty`` (a restored
+    position with nothing left in its epoch), and a sampler frameworks keep under DDP."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    ld = loader(drop_last=drop_last)
+    assert isinstance(ld.sampler, DistributedSampler)
+    assert (ld.sampler.rank, ld.sampler.num_replicas) == (0, 1)
+    batches = list(ld)  # 35 batches (the last one 1 sample), or 34 with drop_last
+    end = ld.state_dict()
+    assert (end["batches_consumed"], end["finished"]) == (len(batches), True)
+    behind = ld._state(len(batches) - 1, finished=False)
+    assert {k: v for k, v in behind.items() if end[k] != v} == {
+        "batches_consumed": len(batches) - 1,
+        "samples_consumed": (len(batches) - 1) * BATCH,
+        "finished": False,
+    }
+    for position, empty in ((behind, False), ({**end, "finished": False}, True), (end, False)):
+        resumed = loader(drop_last=drop_last)
+        resumed.load_state_dict(position)
+        assert resumed._rest_is_empty() is empty
+        assert (len(list(resumed)) == 0) is empty
+    fresh = loader(drop_last=drop_last)
+    assert not fresh._rest_is_empty()
+
+
 def read_plain(shard: int):
     for offset in range(LENGTHS[shard]):
         yield {"id": shard * 1000 + offset, "torch": torch.rand(()).item()}

@@ -9,6 +9,10 @@ from a *zygote* that has imported Lightning once (``lightning_scripts/zygote.py`
 started externally (``LOCAL_RANK``): each is a new process that starts from nothing but its
 arguments and the checkpoint file, and the fresh references show they give the same bits.
 All runs start together in one module fixture and every test reads their results.
+
+Streamed data (``SeededLoader(ShardedDataset(...))``, no ``len()``) has a fixture of its own
+(``stream_runs``, slow): mid-epoch, epoch-end, ``limit_train_batches`` and 2-rank DDP resumes,
+the shards a resume opens, and a plain ``DataLoader`` over the same shards as negative control.
 """
 
 from __future__ import annotations
@@ -302,6 +306,155 @@ def test_ddp_checkpoint_resumed_on_one_process_is_refused(runs: dict[str, Run]) 
     assert "holds the RNG states of 2 rank(s), but this run has 1" in run.text(), run.text()
 
 
+# -- streamed data: SeededLoader(ShardedDataset) ----------------------------------------------
+
+# 36 samples in 8 shards (one empty), batches of 4: 9 batches an epoch on 1 process (the last of
+# them 4 samples), 5 steps of 8 samples on 2 ranks (the last padded); a shuffle buffer of 8.
+STREAM = ["--stream", "--epochs", "2", "--every", "4"]  # checkpoints at steps 4, 8, 12, 16
+STREAM_KILL = 17  # last.ckpt: step 16, epoch 1 after 7 of its 9 batches
+STREAM_END = ["--stream", "--epochs", "2", "--every", "9"]  # killed at 11, last.ckpt: epoch 0 ends
+STREAM_LIMIT = [*STREAM, "--limit", "6"]  # limit_train_batches=6: checkpoints at 4, 8
+STREAM_DDP = ["--stream", "--devices", "2", "--epochs", "2", "--every", "3"]  # checkpoints at 3, 6, 9
+STREAM_DDP_KILL = 7  # last.ckpt: step 6, epoch 1 after 1 of its 5 steps
+
+
+@pytest.fixture(scope="module")
+def stream_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
+    """Fits over a streamed ShardedDataset, all forked from one zygote (the fresh references
+    of ``runs`` show the zygote's children give the bits of fresh interpreters)."""
+    base = tmp_path_factory.mktemp("lightning-stream")
+    runner = Runner(base)
+    try:
+        r: dict[str, Run] = {}
+        # Wave 1: the uninterrupted references and the killed runs (killed ones load with 2 workers).
+        r["full"] = runner.start("full", *STREAM)
+        r["kill"] = runner.start("kill", *STREAM, "--workers", "2", "--kill-at", str(STREAM_KILL))
+        r["kill_end"] = runner.start("kill_end", *STREAM_END, "--kill-at", "11")
+        r["limit_full"] = runner.start("limit_full", *STREAM_LIMIT)
+        r["limit_kill"] = runner.start("limit_kill", *STREAM_LIMIT, "--workers", "2", "--kill-at", "10")
+        stock = [*STREAM, "--variant", "stock"]
+        r["stock0"] = runner.start("stock0", *stock)
+        r["stock2"] = runner.start("stock2", *stock, "--workers", "2")
+        r["stock_kill"] = runner.start("stock_kill", *stock, "--kill-at", str(STREAM_KILL))
+        r["ddp_full"] = runner.start("ddp_full", *STREAM_DDP, ranks=2)
+        r["ddp_kill"] = runner.start("ddp_kill", *STREAM_DDP, "--kill-at", str(STREAM_DDP_KILL), ranks=2)
+        runner.wait(*r.values())
+        # Wave 2: the resumes, each in a new process, on another worker count than the killed run.
+        r["resume"] = runner.start("resume", *STREAM, "--resume", r["kill"].last())
+        end = r["kill_end"].last()
+        r["resume_end"] = runner.start("resume_end", *STREAM_END, "--workers", "2", "--resume", end)
+        r["limit_resume"] = runner.start("limit_resume", *STREAM_LIMIT, "--resume", r["limit_kill"].last())
+        r["stock_resume"] = runner.start("stock_resume", *stock, "--resume", r["stock_kill"].last())
+        r["ddp_resume"] = runner.start("ddp_resume", *STREAM_DDP, "--resume", r["ddp_kill"].last(), ranks=2)
+        runner.wait(*(run for run in r.values() if not run.codes))
+        yield r
+    finally:
+        runner.close()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _loader_state(run: Run, name: str = "last.ckpt") -> dict[str, Any]:
+    [state] = run.ckpt(name)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    return state
+
+
+def _reads(run: Run) -> list[tuple[int, int, int]]:
+    """Every shard the run opened, in any process: ``(shard, start, torch seed at the open)``."""
+    lines = [line for path in run.out.glob("reads.*.txt") for line in path.read_text().splitlines()]
+    return sorted(tuple(int(v) for v in line.split()) for line in lines)  # type: ignore[misc]
+
+
+def _expected_reads(state: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """The shards a streamed SeededLoader resumed from ``state`` opens for the rest of its epoch."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    reads: list[tuple[int, int, int]] = []
+
+    def read_shard(shard: int, start: int = 0) -> Iterator[int]:
+        reads.append((shard, start, torch.initial_seed()))
+        yield from range(start, train.SHARD_LENGTHS[shard])
+
+    data = torchrepro.ShardedDataset(range(len(train.SHARD_LENGTHS)), read_shard)
+    loader = torchrepro.SeededLoader(data, batch_size=4, seed=train.SEED, shuffle_buffer=8)
+    loader.load_state_dict(state)
+    for _ in loader:
+        pass
+    return sorted(reads)
+
+
+@pytest.mark.slow
+def test_stream_killed_mid_epoch_and_resumed_equals_uninterrupted(stream_runs: dict[str, Run]) -> None:
+    _killed(stream_runs["kill"])
+    ckpt = stream_runs["kill"].ckpt()
+    assert ckpt["global_step"] == 16 and ckpt["epoch"] == 1
+    # Lightning fetches one batch ahead of the loop for a loader without len(): the position saved
+    # is the loop's (7 batches of epoch 1), not the loader's (8).
+    state = _loader_state(stream_runs["kill"])
+    assert (state["epoch"], state["batches_consumed"], state["finished"]) == (1, 7, False)
+    assert _same(stream_runs["resume"].final(), stream_runs["full"].final()), stream_runs["resume"].text()
+
+
+@pytest.mark.slow
+def test_stream_resume_reads_only_the_shards_still_holding_samples(stream_runs: dict[str, Run]) -> None:
+    """The resumed fit opens exactly the shards a loader restored from the checkpoint's position
+    opens (each from the offset it needs, seeded for epoch 1), not the epoch from its start."""
+    state = _loader_state(stream_runs["kill"])
+    expected = _expected_reads(state)
+    assert len({shard for shard, _, _ in expected}) < 7  # the 7 non-empty shards of an epoch
+    assert _reads(stream_runs["resume"]) == expected
+
+
+@pytest.mark.slow
+def test_stream_checkpoint_at_an_epochs_last_batch_resumes_exactly(stream_runs: dict[str, Run]) -> None:
+    """Lightning knows the last batch by fetching ahead (the loader's pass has ended), resumes in
+    the next epoch and validates first: the saved position is the next epoch's start."""
+    _killed(stream_runs["kill_end"])
+    state = _loader_state(stream_runs["kill_end"])
+    assert stream_runs["kill_end"].ckpt()["global_step"] == 9
+    assert (state["epoch"], state["batches_consumed"], state["finished"]) == (0, 9, True)
+    run = stream_runs["resume_end"]
+    assert _same(run.final(), stream_runs["full"].final()), run.text()
+
+
+@pytest.mark.slow
+def test_stream_with_limit_train_batches_resumes_exactly(stream_runs: dict[str, Run]) -> None:
+    """With ``limit_train_batches`` Lightning knows the length and does not fetch ahead; each
+    epoch is the first 6 batches of the loader's epoch."""
+    _killed(stream_runs["limit_kill"])
+    state = _loader_state(stream_runs["limit_kill"])
+    assert (state["epoch"], state["batches_consumed"]) == (1, 2)
+    run = stream_runs["limit_resume"]
+    assert _same(run.final(), stream_runs["limit_full"].final()), run.text()
+    assert not _same(run.final(), stream_runs["full"].final())
+
+
+@pytest.mark.slow
+def test_stream_ddp_killed_mid_epoch_and_resumed_equals_uninterrupted(stream_runs: dict[str, Run]) -> None:
+    """Lightning keeps the streamed loader under DDP (its sampler is a DistributedSampler); each
+    rank takes its part of every step."""
+    _killed(stream_runs["ddp_kill"])
+    state = _loader_state(stream_runs["ddp_kill"])
+    assert (state["epoch"], state["batches_consumed"], state["world_size"]) == (1, 1, 2)
+    run = stream_runs["ddp_resume"]
+    assert _same(run.final(), stream_runs["ddp_full"].final()), run.text()
+
+
+@pytest.mark.slow
+def test_stream_negative_control_stock_dataloader_differs_across_workers_and_resume(
+    stream_runs: dict[str, Run],
+) -> None:
+    """A plain DataLoader over the same ShardedDataset: each worker reads its own shards with
+    its own RNG (another order and other noise with 2 workers), and a resume restarts the stream."""
+    assert not _same(stream_runs["stock0"].final(), stream_runs["stock2"].final())
+    _killed(stream_runs["stock_kill"])
+    at_kill = stream_runs["stock_kill"].ckpt()["state_dict"]
+    assert _same(at_kill, stream_runs["stock0"].ckpt("epoch=1-step=16.ckpt")["state_dict"])  # until the kill
+    assert not _same(stream_runs["stock_resume"].final(), stream_runs["stock0"].final())
+
+
 # -- under `torchrepro run` ------------------------------------------------------------------
 
 
@@ -441,3 +594,45 @@ def test_a_plain_train_dataloader_is_named_once_at_fit_start(tmp_path: Path, rng
     assert "['a']" not in several[0]
     # a SeededLoader resumes exactly: nothing to say
     assert _fit_warnings(tmp_path, torchrepro.SeededLoader(data, batch_size=2, seed=0)) == []
+
+
+def test_a_streamed_train_loaders_checkpoint_holds_the_loops_position(
+    tmp_path: Path, rng_changes_ok: None
+) -> None:
+    """In process: Lightning fetches a batch ahead of the loop for a loader without len(); the
+    position saved is the loop's. A plain DataLoader over the same shards is named."""
+    import warnings
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
+
+    from torchrepro.flags import DeterminismFlags
+    from torchrepro.integrations.lightning import TorchreproCallback
+
+    data = torchrepro.ShardedDataset([3, 5, 4], lambda n: (torch.full((2,), float(i)) for i in range(n)))
+    flags = DeterminismFlags.capture()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning's own (its pytree use on this torch)
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                max_steps=3,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                default_root_dir=tmp_path,
+                callbacks=[
+                    TorchreproCallback(seed=0),
+                    ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3),
+                ],
+            )
+            trainer.fit(_Tiny(torchrepro.SeededLoader(data, batch_size=2, seed=0, shuffle_buffer=4)))
+    finally:
+        flags.restore()
+    [ckpt] = tmp_path.glob("*.ckpt")
+    [state] = torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    position = (state["stream"], state["epoch"], state["batches_consumed"], state["finished"])
+    assert position == (True, 0, 3, False)
+    plain = _fit_warnings(tmp_path, DataLoader(data, batch_size=2))
+    assert len(plain) == 1 and "train_dataloader(): DataLoader over ShardedDataset" in plain[0]

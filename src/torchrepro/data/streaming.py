@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
+from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import numpy_or_none
 from torchrepro._runtime import process_group
@@ -55,15 +56,30 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 """Samples the shuffle buffer holds when ``shuffle=True`` and no ``shuffle_buffer`` is given."""
 
 
-class _StreamSampler(_Position, Sampler[_Task]):
-    """The position of a streaming loader, and the shard tasks of the pass under way."""
+class _StreamSampler(_Position, DistributedSampler[_Task]):
+    """The position of a streaming loader, and the shard tasks of the pass under way.
+
+    A ``DistributedSampler`` only so that frameworks which give a distributed loader one of their
+    own (Lightning's ``use_distributed_sampler``) keep it: the stream shares its steps by rank.
+    """
 
     def __init__(self, shard: tuple[int, int] | None) -> None:
+        # DistributedSampler.__init__ needs a process group or a fixed shard; neither is needed here.
+        Sampler.__init__(self)
         _Position.__init__(self)
         self.fixed_shard = shard
         self.tasks: list[_Task] = []
         self.lengths: dict[int, int] = {}  # shard index -> length, in `lengths_epoch`
         self.lengths_epoch = 0
+
+    # DistributedSampler's attributes, read now (they follow the process group).
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return process_group(self.fixed_shard)[0]
+
+    @property
+    def num_replicas(self) -> int:  # type: ignore[override]
+        return process_group(self.fixed_shard)[1]
 
     def __iter__(self) -> Iterator[_Task]:
         return iter(self.tasks)
@@ -236,6 +252,12 @@ class StreamingLoader(SeededLoader):
         batches this rank received, the lengths of the shards read this epoch, and what the
         sequence depends on."""
         pos = self._seeded_sampler
+        return self._state(pos.batches, pos.finished)
+
+    def _state(self, batches: int, finished: bool) -> dict[str, Any]:
+        """``state_dict()`` with another position in the current epoch: ``batches`` received, the
+        pass ended or not (for a framework that fetches ahead of its training loop)."""
+        pos = self._seeded_sampler
         assert isinstance(pos, _StreamSampler)
         rank, world_size = process_group(pos.fixed_shard)
         per_step = self._per_step(world_size)
@@ -245,9 +267,9 @@ class StreamingLoader(SeededLoader):
             "stream": True,
             "seed": self._seed,
             "epoch": pos.epoch,
-            "batches_consumed": pos.batches,
-            "samples_consumed": pos.batches // per_step * self._step(world_size),
-            "finished": pos.finished,
+            "batches_consumed": batches,
+            "samples_consumed": batches // per_step * self._step(world_size),
+            "finished": finished,
             "shard_lengths": [lengths.get(i) for i in range(len(self._stream.shards))],
             "num_shards": len(self._stream.shards),
             "batch_size": self._batch_size,
@@ -329,6 +351,19 @@ class StreamingLoader(SeededLoader):
         pos.restore(epoch, batches)
         pos.lengths = {i: n for i, n in enumerate(lengths) if n is not None}
         pos.lengths_epoch = epoch
+
+    def _rest_is_empty(self) -> bool:
+        """Whether the next pass, continuing a restored position, yields no batch: every shard of
+        its epoch was read, and fewer samples are left than its next step takes (none, or an
+        incomplete step with ``drop_last``)."""
+        pos = self._seeded_sampler
+        assert isinstance(pos, _StreamSampler)
+        if not pos.pending or pos.lengths_epoch != pos.epoch or len(pos.lengths) < len(self._stream.shards):
+            return False
+        world_size = process_group(pos.fixed_shard)[1]
+        step = self._step(world_size)
+        left = sum(pos.lengths.values()) - pos.batches // self._per_step(world_size) * step
+        return left <= 0 or (self.drop_last and left < step)
 
 
 ShardedDataset._tr_loader = StreamingLoader  # SeededLoader(ShardedDataset(...)) builds one

@@ -21,6 +21,11 @@ Invariants:
 - At the start of ``fit``, a train loader that is a plain ``torch.utils.data.DataLoader`` (not a
   ``SeededLoader``) is named in one ``ReproWarning`` per process: Lightning cannot put such a
   loader back mid-epoch, so a resume from a mid-epoch checkpoint trains other batches.
+- A ``SeededLoader`` position in a checkpoint is where the training loop is. For a train loader
+  without ``len()`` (a streamed ``SeededLoader(ShardedDataset(...))``) Lightning's fetcher runs one
+  batch ahead of the loop, so ``on_save_checkpoint`` takes the batches the fetcher holds off the
+  position Lightning saved. A pass the fetcher found ended (the loop at the epoch's last batch,
+  which Lightning then resumes in the next epoch) stays ended.
 """
 
 from __future__ import annotations
@@ -121,6 +126,52 @@ def _plain_loaders(loaders: Any) -> list[str]:
     return found
 
 
+def _loop_positions(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Put the positions of the ``SeededLoader`` train loaders in ``checkpoint`` where the training
+    loop is, not where Lightning's fetcher is.
+
+    For a train loader without ``len()`` (a streamed ``SeededLoader``) Lightning fetches one batch
+    ahead of the loop, to know which batch is the epoch's last, so the position the loader counts
+    is one batch past the batch just trained, and at the epoch's last batch the loader's pass has
+    ended. The entry saved is the position after the batches the loop took, inside the epoch; the
+    resumed fit then continues the epoch (an empty rest ends it, and Lightning's ``set_epoch`` for
+    the next epoch starts that one from its first batch).
+    """
+    from torchrepro.data import SeededLoader
+    from torchrepro.data.streaming import StreamingLoader
+
+    if trainer.state.fn != "fit":
+        return
+    fit_loop = trainer.fit_loop
+    combined = getattr(fit_loop, "_combined_loader", None)
+    loops = checkpoint.get("loops")
+    states = loops.get("fit_loop", {}).get("state_dict", {}).get("combined_loader") if loops else None
+    if combined is None or not isinstance(states, list):
+        return
+    # The loaders Lightning saved a state of, in its order (its `_Stateful` test).
+    stateful = [
+        loader
+        for loader in combined.flattened
+        if all(callable(getattr(loader, name, None)) for name in ("state_dict", "load_state_dict"))
+    ]
+    if len(stateful) != len(states):
+        return
+    # Batches fetched and not yet given to the loop (the prefetching fetcher holds them).
+    ahead = len(getattr(getattr(fit_loop, "_data_fetcher", None), "batches", None) or ())
+    for i, (loader, state) in enumerate(zip(stateful, states, strict=True)):
+        if not isinstance(loader, SeededLoader) or not isinstance(state, dict):
+            continue
+        batches = state.get("batches_consumed")
+        if not isinstance(batches, int) or batches < ahead:
+            continue  # the fetcher began another pass: nothing to put back
+        if not ahead:
+            continue
+        if isinstance(loader, StreamingLoader):
+            states[i] = loader._state(batches - ahead, finished=False)
+        else:
+            states[i] = {**state, "batches_consumed": batches - ahead, "finished": False}
+
+
 class TorchreproCallback(Callback):
     """Seed and set the determinism switches on every rank; save and restore every rank's RNG state.
 
@@ -143,8 +194,11 @@ class TorchreproCallback(Callback):
       resume exactly too, and adding validation does not shift training.
 
     Batches resume exactly when ``train_dataloader()`` returns a ``torchrepro.SeededLoader``
-    (Lightning saves its position; its batches never move the global streams); a plain
-    ``DataLoader`` is named in a ``ReproWarning`` at the start of ``fit``. Randomness drawn
+    (Lightning saves its position; its batches never move the global streams), over a map-style
+    dataset or streamed from a ``torchrepro.ShardedDataset`` (with ``limit_train_batches`` an
+    int, or none; each checkpoint holds the position of the batches the loop took, though
+    Lightning fetches ahead of the loop for a loader without ``len()``); a plain ``DataLoader``
+    is named in a ``ReproWarning`` at the start of ``fit``. Randomness drawn
     in hooks between a checkpoint and the next training step (``on_train_batch_end`` after the
     save, ``on_train_epoch_start``) is not drawn again by the resumed run.
     """
@@ -247,6 +301,12 @@ class TorchreproCallback(Callback):
             )
         self._pending = RngState.from_dict(states[rank])
         self._loaded = True
+
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Save each streamed train loader's position as the training loop consumed it."""
+        _loop_positions(trainer, checkpoint)
 
     # -- resume ------------------------------------------------------------------------------
 

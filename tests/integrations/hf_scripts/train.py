@@ -5,7 +5,12 @@
 
 also under ``torchrun --nproc_per_node 2`` (each process its shard).
 
-KIND is ``repro`` (TorchreproTrainer) or ``stock`` (transformers.Trainer). Each run writes
+KIND is ``repro`` (TorchreproTrainer) or ``stock`` (transformers.Trainer) over the map-style
+``Noisy``; ``repro-stream``/``stock-stream`` over a ``torchrepro.ShardedDataset`` of 8 shards
+(36 samples, one shard empty; read noting the shards opened in ``DIR/reads.<pid>.txt``), and
+``repro-hf`` over a ``datasets.IterableDataset`` of 6 shards with a noise ``map``: batch 4,
+accumulation 3, ``max_steps=8``, checkpoints every 2 steps, so an epoch of 9 batches is 3 steps
+and checkpoint-6 is at the end of epoch 1. Each run writes
 ``DIR/final.pt`` (the model's state dict) and, for ``repro``, ``DIR/batches.rank<R>.pt`` (the
 inputs of epoch 1 of the train loader, on each process). 44 samples, batch 4, accumulation 2: 11 batches and
 6 optimizer steps per epoch (the last with one batch), 2 epochs, 12 steps. The dataset draws a
@@ -21,24 +26,35 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from pathlib import Path
+
+import noisy
 import torch
 import transformers
 from noisy import Net, Noisy
 
+import torchrepro
 from torchrepro.integrations.transformers import TorchreproTrainer
 
 
 def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
     torch.manual_seed(0)
     model = Net()
+    data: Any = Noisy()
+    schedule: dict[str, Any] = {"gradient_accumulation_steps": 2, "num_train_epochs": 2, "save_steps": 4}
+    if kind.endswith(("-stream", "-hf")):
+        schedule = {"gradient_accumulation_steps": 3, "max_steps": 8, "save_steps": 2}
+        noisy.READS = Path(out)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        data = torchrepro.ShardedDataset(range(len(noisy.SHARD_LENGTHS)), noisy.read_shard)
+        if kind.endswith("-hf"):
+            data = noisy.hf_stream()
     args = transformers.TrainingArguments(
         output_dir=out,
         per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_train_epochs=2,
         learning_rate=0.05,
         save_strategy="steps",
-        save_steps=4,
+        **schedule,
         logging_strategy="no",
         report_to="none",
         disable_tqdm=True,
@@ -46,8 +62,9 @@ def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
         seed=0,
         dataloader_num_workers=workers,
     )
-    cls: Any = TorchreproTrainer if kind == "repro" else transformers.Trainer
-    trainer = cls(model=model, args=args, train_dataset=Noisy())
+    cls: Any = TorchreproTrainer if kind.startswith("repro") else transformers.Trainer
+    extra = {"shuffle_buffer": 8} if kind == "repro-stream" else {}
+    trainer = cls(model=model, args=args, train_dataset=data, **extra)
     trainer.train(resume_from_checkpoint=checkpoint)
     rank = trainer.args.process_index
     if rank == 0:
@@ -71,3 +88,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if torch.distributed.is_initialized():  # under torchrun: the ranks end their gloo group together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

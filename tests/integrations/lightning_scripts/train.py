@@ -1,10 +1,16 @@
 """A tiny Lightning fit (dropout, a dataset drawing noise per sample) that can kill itself and resume.
 
-Usage: python train.py OUT [--variant torchrepro|stock] [--devices N] [--workers N] [--epochs N]
-       [--every N] [--kill-at STEP] [--resume CKPT]
+Usage: python train.py OUT [--variant torchrepro|stock] [--stream] [--devices N] [--workers N]
+       [--epochs N] [--every N] [--limit N] [--kill-at STEP] [--resume CKPT]
 
 - ``torchrepro``: ``TorchreproCallback`` and a ``SeededLoader``; ``stock``: no callback, a plain
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
+- ``--stream``: the training data is a ``torchrepro.ShardedDataset`` of 8 shards (36 samples,
+  one shard empty), read with the same noise per sample; ``torchrepro`` streams it through
+  ``SeededLoader(..., shuffle_buffer=8)``, ``stock`` through a plain ``DataLoader`` (each worker
+  reads every ``num_workers``-th shard). Every shard opened is noted in ``OUT/reads.<pid>.txt``
+  as ``shard start seed`` (``seed``: torch's initial seed when the shard opens, which the
+  streamed loader sets from (seed, epoch, shard, start)). ``--limit N``: ``limit_train_batches=N``.
 - Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
   with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
 - Rank 0 writes the final parameters to ``OUT/final.pt``, every rank the determinism mode in
@@ -19,6 +25,7 @@ import os
 import signal
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +34,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 import torchrepro
 from torchrepro.integrations.lightning import TorchreproCallback
@@ -50,10 +57,30 @@ class NoisyPoints(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]
 
 
+SHARD_LENGTHS = [7, 3, 0, 9, 5, 6, 4, 2]  # 36 samples
+READS: Path | None = None  # where read_shard notes the shards it opens
+
+
+def read_shard(shard: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shard ``shard`` from offset ``start``: fixed points plus noise from the global torch RNG."""
+    if READS is not None:
+        with open(READS / f"reads.{os.getpid()}.txt", "a") as f:
+            f.write(f"{shard} {start} {torch.initial_seed()}\n")
+    g = torch.Generator().manual_seed(1000 + shard)
+    x = torch.randn(SHARD_LENGTHS[shard], 8, generator=g)
+    y = torch.randn(SHARD_LENGTHS[shard], 1, generator=g)
+    for i in range(start, SHARD_LENGTHS[shard]):
+        yield x[i] + 0.1 * torch.randn(8), y[i]
+
+
+def shards() -> IterableDataset[tuple[torch.Tensor, torch.Tensor]]:
+    return torchrepro.ShardedDataset(range(len(SHARD_LENGTHS)), read_shard)
+
+
 class Net(pl.LightningModule):
-    def __init__(self, variant: str, workers: int) -> None:
+    def __init__(self, variant: str, workers: int, stream: bool = False) -> None:
         super().__init__()
-        self.variant, self.workers = variant, workers
+        self.variant, self.workers, self.stream = variant, workers, stream
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -69,6 +96,10 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader[Any]:
+        if self.stream:
+            if self.variant == "stock":
+                return DataLoader(shards(), batch_size=4, num_workers=self.workers)
+            return torchrepro.SeededLoader(shards(), batch_size=4, num_workers=self.workers, shuffle_buffer=8)
         data = NoisyPoints(32)
         if self.variant == "stock":
             return DataLoader(data, batch_size=4, shuffle=True, num_workers=self.workers)
@@ -97,7 +128,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--limit", type=int, default=None)
     args = parser.parse_args(argv)
+    global READS
+    READS = args.out
     warnings.filterwarnings("ignore", category=PossibleUserWarning)  # few workers, few batches
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -108,7 +143,7 @@ def main(argv: list[str]) -> int:
     else:
         torchrepro.seed_everything(SEED)  # before the model is built: same initial weights
         callbacks.append(TorchreproCallback(seed=SEED))
-    model = Net(args.variant, args.workers)
+    model = Net(args.variant, args.workers, args.stream)
     callbacks.append(
         ModelCheckpoint(
             dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1
@@ -124,6 +159,7 @@ def main(argv: list[str]) -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=1,
+        limit_train_batches=args.limit,
     )
     trainer.fit(model, ckpt_path=args.resume)
     (args.out / f"mode.rank{trainer.global_rank}.txt").write_text(torchrepro.status().mode)
