@@ -192,6 +192,7 @@ CLI_LAZY = {
     "torchrepro.env",
     "torchrepro.flags",
     "torchrepro.launch",
+    "torchrepro.runrecord",
     "torchrepro.seeding",
 }
 """What the command line imports only when a command needs it (``--help`` and ``--version`` stay

@@ -60,7 +60,10 @@ def run_cli(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, s
 
 def assert_refused(code: int, out: str, err: str, command: str, path: Path, line: int | None = None) -> None:
     assert code == 2, f"malformed {path} (line {line}) was accepted: exit {code}\n{out}{err}"
-    assert out == ""
+    if out:  # under --json, stdout holds the error as one JSON object, the same words as stderr
+        error = strict_json(out)["error"]
+        assert (error["command"], error["exit_code"]) == (command.split()[0], 2), out
+        assert err == f"torchrepro {command}: error: {error['message']}\n", (out, err)
     assert err.startswith(f"torchrepro {command}: error: ") and err.count("\n") == 1, err
     assert str(path) in err, err
     if line is not None:

@@ -172,7 +172,8 @@ def test_failing_script_exits_2_with_its_traceback(capsys: pytest.CaptureFixture
     code = main(["audit", "--json", relative(SCRIPTS / "fails.py")])
     captured = capsys.readouterr()
     assert code == 2
-    assert captured.out == ""
+    error = json.loads(captured.out)["error"]  # stdout stays JSON under --json
+    assert (error["command"], error["exit_code"]) == ("audit", 2) and "exit code 1" in error["message"]
     assert "exit code 1" in captured.err
     assert "RuntimeError: dataset path /nonexistent/train not found" in captured.err
 
