@@ -42,7 +42,7 @@ def _alive(marker: str) -> list[str]:
     return [line for line in out.splitlines() if "pgrep" not in line]
 
 
-def _wait_gone(marker: str, seconds: float = 5.0) -> list[str]:
+def _wait_gone(marker: str, seconds: float = 15.0) -> list[str]:  # a loaded 2-core CI machine is slow
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         left = _alive(marker)
