@@ -24,7 +24,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import generator_set
 from torchrepro._runtime import process_group
-from torchrepro.data.micro import _MicroBatchSampler
+from torchrepro.data.micro import _MicroBatchSampler, check_global_batch_size
 from torchrepro.data.sampler import _SeededSampler
 from torchrepro.data.view import _SeededCollate, _SeededDataset
 from torchrepro.data.watch import _find_rng_objects
@@ -102,15 +102,7 @@ def _fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | 
 def _check_global_batch(global_batch_size: Any, batch_size: int, length: int, drop_last: bool) -> None:
     """Refuse a ``global_batch_size`` that is not a whole number of micro-batches, or an epoch
     whose last global batch would be incomplete without ``drop_last``."""
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}.")
-    if global_batch_size % batch_size:
-        below = global_batch_size - global_batch_size % batch_size
-        raise LoaderConfigError(
-            f"global_batch_size={global_batch_size} is not a multiple of batch_size={batch_size} (the "
-            f"micro-batch size): a global batch is a whole number of micro-batches. Use "
-            f"global_batch_size={below or batch_size} or {below + batch_size}, or another batch_size."
-        )
+    check_global_batch_size(global_batch_size, batch_size)
     rest = length % global_batch_size
     if rest and not drop_last:
         raise LoaderConfigError(

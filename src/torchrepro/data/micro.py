@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from torchrepro._runtime import process_group
 from torchrepro.data.keys import _KEY_MARK, _SampleKey
@@ -27,6 +28,34 @@ from torchrepro.errors import LoaderConfigError
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batches_per_rank(global_batch_size: int, batch_size: int, world_size: int) -> int:
+    """``V // W``, the micro-batches each of ``world_size`` ranks computes of a global batch;
+    ``LoaderConfigError`` naming the world sizes that work when ``W`` does not divide ``V``."""
+    v = global_batch_size // batch_size
+    if v % world_size:
+        fits = ", ".join(str(d) for d in divisors(v))
+        raise LoaderConfigError(
+            f"SeededLoader(global_batch_size={global_batch_size}, batch_size={batch_size}) "
+            f"has {v} micro-batches per global batch, which {world_size} processes cannot share "
+            f"evenly: the world size must divide {v}. World sizes that work: {fits}; or choose a "
+            "global_batch_size whose micro-batch count this world size divides."
+        )
+    return v // world_size
+
+
+def check_global_batch_size(global_batch_size: Any, batch_size: int) -> None:
+    """Refuse a ``global_batch_size`` that is not a positive whole number of micro-batches."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}.")
+    if global_batch_size % batch_size:
+        below = global_batch_size - global_batch_size % batch_size
+        raise LoaderConfigError(
+            f"global_batch_size={global_batch_size} is not a multiple of batch_size={batch_size} (the "
+            f"micro-batch size): a global batch is a whole number of micro-batches. Use "
+            f"global_batch_size={below or batch_size} or {below + batch_size}, or another batch_size."
+        )
 
 
 class _MicroBatchSampler(_SeededSampler):
@@ -43,16 +72,7 @@ class _MicroBatchSampler(_SeededSampler):
         """``A = V // W``: the micro-batches a rank computes of each global batch."""
         if world_size is None:
             world_size = process_group(self.fixed_shard)[1]
-        v = self.micro_batches
-        if v % world_size:
-            fits = ", ".join(str(d) for d in divisors(v))
-            raise LoaderConfigError(
-                f"SeededLoader(global_batch_size={self.global_batch_size}, batch_size={self.batch_size}) "
-                f"has {v} micro-batches per global batch, which {world_size} processes cannot share "
-                f"evenly: the world size must divide {v}. World sizes that work: {fits}; or choose a "
-                "global_batch_size whose micro-batch count this world size divides."
-            )
-        return v // world_size
+        return micro_batches_per_rank(self.global_batch_size, self.batch_size, world_size)
 
     def global_batches(self) -> int:
         """Whole global batches in an epoch."""

@@ -88,7 +88,22 @@ class _Position:
         self.pass_id = object()
 
 
-class _SeededSampler(_Position, DistributedSampler[_SampleKey]):
+class _FollowsGroup:
+    """``DistributedSampler``'s ``rank`` and ``num_replicas``, read when asked: they follow the
+    process group (or ``fixed_shard``, the ``rank``/``world_size`` a loader was given)."""
+
+    fixed_shard: tuple[int, int] | None
+
+    @property
+    def rank(self) -> int:
+        return process_group(self.fixed_shard)[0]
+
+    @property
+    def num_replicas(self) -> int:
+        return process_group(self.fixed_shard)[1]
+
+
+class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]):  # type: ignore[override]
     """Yields the sample keys of this rank's shard of one epoch, and holds the position.
 
     A ``DistributedSampler`` (frameworks that replace a loader's sampler with a distributed one,
@@ -124,15 +139,6 @@ class _SeededSampler(_Position, DistributedSampler[_SampleKey]):
         self.drop_last = drop_last
         self.fixed_shard = shard
         _Position.__init__(self)
-
-    # DistributedSampler's attributes, read now (they follow the process group).
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return process_group(self.fixed_shard)[0]
-
-    @property
-    def num_replicas(self) -> int:  # type: ignore[override]
-        return process_group(self.fixed_shard)[1]
 
     def _sizes(self, world_size: int) -> tuple[int, int]:
         """``(num_samples, total_size)`` for ``world_size`` ranks."""

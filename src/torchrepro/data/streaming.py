@@ -41,9 +41,9 @@ from torchrepro.data.loader import (
     _fixed_shard,
     _SeededLoaderIter,
 )
-from torchrepro.data.micro import divisors
+from torchrepro.data.micro import check_global_batch_size, micro_batches_per_rank
 from torchrepro.data.rawrng import _numpy_mt, _python_mt
-from torchrepro.data.sampler import _Position
+from torchrepro.data.sampler import _FollowsGroup, _Position
 from torchrepro.data.sharded import _TASK_MARK, ShardedDataset, _as_is, _ShardTasks, _Task
 from torchrepro.data.shuffle import replay
 from torchrepro.data.view import _active
@@ -56,7 +56,7 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 """Samples the shuffle buffer holds when ``shuffle=True`` and no ``shuffle_buffer`` is given."""
 
 
-class _StreamSampler(_Position, DistributedSampler[_Task]):
+class _StreamSampler(_Position, _FollowsGroup, DistributedSampler[_Task]):  # type: ignore[override]
     """The position of a streaming loader, and the shard tasks of the pass under way.
 
     A ``DistributedSampler`` only so that frameworks which give a distributed loader one of their
@@ -71,15 +71,6 @@ class _StreamSampler(_Position, DistributedSampler[_Task]):
         self.tasks: list[_Task] = []
         self.lengths: dict[int, int] = {}  # shard index -> length, in `lengths_epoch`
         self.lengths_epoch = 0
-
-    # DistributedSampler's attributes, read now (they follow the process group).
-    @property
-    def rank(self) -> int:  # type: ignore[override]
-        return process_group(self.fixed_shard)[0]
-
-    @property
-    def num_replicas(self) -> int:  # type: ignore[override]
-        return process_group(self.fixed_shard)[1]
 
     def __iter__(self) -> Iterator[_Task]:
         return iter(self.tasks)
@@ -139,17 +130,7 @@ class StreamingLoader(SeededLoader):
                 "it: drop one of them."
             )
         if global_batch_size is not None:
-            if (
-                isinstance(global_batch_size, bool)
-                or not isinstance(global_batch_size, int)
-                or global_batch_size < 1
-            ):
-                raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}.")
-            if global_batch_size % batch_size:
-                raise LoaderConfigError(
-                    f"global_batch_size={global_batch_size} is not a multiple of batch_size={batch_size} "
-                    "(the micro-batch size): a global batch is a whole number of micro-batches."
-                )
+            check_global_batch_size(global_batch_size, batch_size)
             if not drop_last:
                 raise LoaderConfigError(
                     "A stream's length is unknown until it ends, so its last global batch may be "
@@ -215,15 +196,7 @@ class StreamingLoader(SeededLoader):
         """The batches a rank gets of each step: 1, or its micro-batches of a global batch."""
         if self._global is None:
             return 1
-        v = self.micro_batches
-        if v % world_size:
-            fits = ", ".join(str(d) for d in divisors(v))
-            raise LoaderConfigError(
-                f"SeededLoader(global_batch_size={self._global}, batch_size={self._batch_size}) has {v} "
-                f"micro-batches per global batch, which {world_size} processes cannot share evenly. "
-                f"World sizes that work: {fits}."
-            )
-        return v // world_size
+        return micro_batches_per_rank(self._global, self._batch_size, world_size)
 
     def _step(self, world_size: int) -> int:
         """Samples of the global sequence one step consumes on ``world_size`` ranks."""
