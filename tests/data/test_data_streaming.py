@@ -355,3 +355,28 @@ def test_torchrun_ranks_with_workers_stream_the_one_sequence(tmp_path: Path, wor
         merged = [row for step in zip(*result[key], strict=True) for batch in step for row in batch]
         expected = [row for batch in one[skip:] for row in batch]
         assert merged[: usable - skip * 4] == expected[: usable - skip * 4], key
+
+
+@pytest.mark.usefixtures("rng_changes_ok")  # read() seeds the globals (its callers put them back)
+def test_what_a_process_learned_about_the_rngs_changes_no_sample() -> None:
+    """Python's and NumPy's RNGs are seeded per sample only once a shard was seen drawing from
+    them (the shard is then read again); a process that learned it and one that seeds all three
+    per sample from the start read the same samples."""
+
+    def numpy_only(shard: int):
+        for offset in range(LENGTHS[shard]):
+            yield {
+                "id": shard * 1000 + offset,
+                "numpy": float(np.random.rand()),
+                "torch": torch.rand(()).item(),
+            }
+
+    learning = torchrepro.ShardedDataset(range(len(LENGTHS)), numpy_only)
+    seeding_all = torchrepro.ShardedDataset(range(len(LENGTHS)), numpy_only)
+    reads = [learning.read(7, 0, shard, 0) for shard in range(len(LENGTHS))]
+    from torchrepro.seeding import NUMPY_RNG, PYTHON_RNG
+
+    assert learning._tr_watch.drawn == NUMPY_RNG  # learned: NumPy drawn from, Python never
+    seeding_all.read(7, 0, 0, 0)
+    seeding_all._tr_watch.drawn = NUMPY_RNG | PYTHON_RNG
+    assert [seeding_all.read(7, 0, shard, 0) for shard in range(len(LENGTHS))] == reads

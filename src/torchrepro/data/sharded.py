@@ -29,8 +29,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrepro._compat import numpy_or_none
 from torchrepro.data.rawrng import _numpy_mt, _python_mt
 from torchrepro.data.view import _active
+from torchrepro.data.watch import _changed, _rng_tokens, _Watch
 from torchrepro.errors import ShardReadError
-from torchrepro.seeding import _Deriver, sample_seeder
+from torchrepro.seeding import TORCH_RNG, _Deriver, derive_seed, sample_seeder
 
 __all__ = ["ShardedDataset"]
 
@@ -123,9 +124,39 @@ class ShardedDataset(IterableDataset[Any]):
 
     def read(self, seed: int, epoch: int, index: int, start: int) -> tuple[list[tuple[int, Any]], int]:
         """Shard ``index`` from offset ``start``, every sample read seeded from its key:
-        ``([(offset, sample), ...], the shard's length)``."""
+        ``([(offset, sample), ...], the shard's length)``.
+
+        Seeding Python's and NumPy's global RNGs costs more per sample than torch's, and most
+        ``read_shard`` functions draw from one or none of them: torch's RNG is seeded per sample,
+        and so are those this process has seen the function draw from; the others are seeded once
+        for the shard and checked after it. If the shard drew from one, it is read again with that
+        RNG seeded per sample too (once per RNG and process). Either way every sample saw exactly
+        the draws it sees when all three are seeded per sample.
+        """
         np = numpy_or_none()
-        seed_globals = sample_seeder(np)
+        watch = self.__dict__.get("_tr_watch")
+        if watch is None:
+            watch = self._tr_watch = _Watch()
+        while True:
+            once = watch.available & ~watch.drawn
+            result = self._read_seeded(
+                seed, epoch, index, start, np, (watch.drawn & watch.available) | TORCH_RNG, once
+            )
+            if isinstance(result, int):  # the shard drew from an RNG seeded once: again
+                watch.drawn |= result
+                continue
+            return result
+
+    def _read_seeded(
+        self, seed: int, epoch: int, index: int, start: int, np: Any, per_sample: int, once: int
+    ) -> tuple[list[tuple[int, Any]], int] | int:
+        """``read``'s work with the RNGs in ``per_sample`` seeded per sample and those in ``once``
+        seeded once for the shard; the RNGs of ``once`` the shard drew from, if any."""
+        before = None
+        if once:
+            sample_seeder(np, once)(derive_seed(seed, "shard", epoch, index))
+            before = _rng_tokens(once, np)
+        seed_globals = sample_seeder(np, per_sample)
         key = _Deriver(seed, ("sample", epoch, index), 4)
         active = _active
         outer = (active.seed, active.rng)
@@ -158,6 +189,10 @@ class ShardedDataset(IterableDataset[Any]):
             raise ShardReadError(_failed(index, shard, e, offset)) from e
         finally:
             active.seed, active.rng = outer
+        if before is not None:
+            disturbed = _changed(once, before, np)
+            if disturbed:
+                return disturbed
         return samples, offset
 
 
