@@ -54,13 +54,13 @@ from torchrepro.check_runs import (
 )
 from torchrepro.compare import (
     FINAL_NOT_LOCATED,
-    UNRECORDED_REASON,
     WORLD_NOT_LOCATED,
     Coverage,
     Divergence,
     WorldScope,
     coverage,
     final_state_reason,
+    inconclusive_verdict,
     locate_in_traces,
     optimizer_steps,
     steps_compared,
@@ -470,18 +470,14 @@ def _check(
     if first is not None and vary == "threads":
         notes.extend(_thread_notes(first.op, portable=base.portable))
     reproducible: bool | None = first is None
-    if first is None and not covered.conclusive and world is not None:
+    inconclusive = None
+    if first is None:
+        unranked_note = "inconclusive: a python process the script started trained unrecorded (above)"
+        inconclusive = inconclusive_verdict(covered, world, bool(unranked), unranked_note)
+    if inconclusive is not None:
         reproducible = None
-        reason = world.inconclusive_reason(covered)
-        notes.append(f"inconclusive: {reason}")
-    elif first is None and not covered.conclusive:
-        reproducible = None
-        reason = covered.inconclusive_reason(unrecorded=bool(unranked))
-        notes.append(covered.inconclusive_note(unrecorded=bool(unranked)))
-    elif first is None and unranked:
-        reproducible = None
-        reason = UNRECORDED_REASON
-        notes.append("inconclusive: a python process the script started trained unrecorded (above)")
+        reason, note = inconclusive
+        notes.append(note)
     varied = world.varied if world is not None else _varied_text(vary, specs)
     if vary == "workers" and runs > 1:
         varied_note, varied, nothing = varied_workers(all_runs[1], ranks)

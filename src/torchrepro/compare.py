@@ -820,6 +820,28 @@ FINAL_NOT_LOCATED = (
 """The note of a divergence seen only in the final state (locating traces a recorded step)."""
 
 
+def inconclusive_verdict(
+    covered: Coverage,
+    world: WorldScope | None,
+    unrecorded: bool,
+    unrecorded_note: str | None = None,
+) -> tuple[str, str] | None:
+    """``(reason, note)`` when runs found equal cannot be called reproducible: not every rank
+    compared enough (in the world view's terms across world sizes), or a process trained
+    unrecorded (``unrecorded``, said by ``unrecorded_note``); None when they can. ``check`` and
+    ``compare`` both decide it here."""
+    if not covered.conclusive:
+        if world is not None:
+            reason = world.inconclusive_reason(covered)
+            return reason, f"inconclusive: {reason}"
+        return covered.inconclusive_reason(unrecorded=unrecorded), covered.inconclusive_note(
+            unrecorded=unrecorded
+        )
+    if unrecorded:
+        return UNRECORDED_REASON, unrecorded_note or f"inconclusive: {UNRECORDED_REASON}"
+    return None
+
+
 def final_state_reason(d: Divergence, covered: Coverage | None, *, unrecorded: bool) -> str:
     """The headline of a divergence seen only in the final state: which module, and why no recorded
     step shows it (``unrecorded``: processes the script started trained without a record)."""
@@ -906,18 +928,11 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         first, locate_notes = _locate_recorded(first, a, b, varied=_varied_threads(started))
         notes += locate_notes
     reproducible: bool | None = first is None
-    if first is None and not covered.conclusive and world is not None:
+    inconclusive = None if first is not None else inconclusive_verdict(covered, world, bool(unrecorded))
+    if inconclusive is not None:
         reproducible = None
-        reason = world.inconclusive_reason(covered)
-        notes.append(f"inconclusive: {reason}")
-    elif first is None and not covered.conclusive:
-        reproducible = None
-        reason = covered.inconclusive_reason(unrecorded=bool(unrecorded))
-        notes.append(covered.inconclusive_note(unrecorded=bool(unrecorded)))
-    elif first is None and unrecorded:
-        reproducible = None
-        reason = UNRECORDED_REASON
-        notes.append(f"inconclusive: {UNRECORDED_REASON}")
+        reason, note = inconclusive
+        notes.append(note)
     return Comparison(
         reproducible=reproducible,
         steps_compared=steps_compared(list(cursors.values())),
