@@ -4,10 +4,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?= -n 2 --dist loadfile
+CHROMIUM ?= /usr/bin/chromium
+SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install demo test quick coverage test-floor lint typecheck unit bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(CHROMIUM)
+
+# Debian's Chromium: the HTML report's tests open it in a real headless browser (Playwright,
+# from requirements-dev.txt, drives this binary; it downloads no browser of its own).
+$(CHROMIUM):
+	$(SUDO) apt-get install -y --no-install-recommends chromium \
+		|| ($(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium)
 
 $(STAMP): pyproject.toml constraints-dev.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +35,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) $(CHROMIUM)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit

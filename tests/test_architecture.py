@@ -193,6 +193,7 @@ CLI_LAZY = {
     "torchrepro.flags",
     "torchrepro.launch",
     "torchrepro.runrecord",
+    "torchrepro.report",
     "torchrepro.seeding",
 }
 """What the command line imports only when a command needs it (``--help`` and ``--version`` stay

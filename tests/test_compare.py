@@ -342,7 +342,23 @@ def test_the_first_differing_tensor_is_reported(tmp_path: Path) -> None:
         "max_abs_diff": 0.25,
         "nonfinite": False,
         "name": None,
+        "sampled": False,
     }
+
+
+def test_a_large_tensor_is_compared_by_its_sample_as_a_lower_bound() -> None:
+    big = {"fp": "a", "dtype": "float32", "shape": [1000], "s": [0.0] * 8}
+    other = {**big, "fp": "b", "s": [0.0] * 7 + [1e-3]}
+    d = tensor_difference({"t": [big]}, {"t": [other]})
+    assert d is not None and d.sampled and d.max_abs_diff == 1e-3
+    assert d.describe_difference().startswith("at least 0.001")
+    same_sample = tensor_difference({"t": [big]}, {"t": [{**big, "fp": "b"}]})
+    assert same_sample is not None and same_sample.max_abs_diff == 0.0
+    assert "not seen" in same_sample.describe_difference()
+    # every value (``v``) wins over a sample; values of another shape are not compared
+    assert tensor_difference({"t": [{**big, "v": [1.0]}]}, {"t": [{**other, "v": [3.0]}]}).max_abs_diff == 2.0  # type: ignore[union-attr]
+    reshaped = {**other, "shape": [10, 100]}
+    assert tensor_difference({"t": [big]}, {"t": [reshaped]}).max_abs_diff is None  # type: ignore[union-attr]
 
 
 def test_environment_differences_are_listed(tmp_path: Path) -> None:

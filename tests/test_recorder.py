@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchrepro.compare import first_divergence
-from torchrepro.recorder import Recorder, record
+from torchrepro.recorder import SAMPLE_SIZE, Recorder, record
 from torchrepro.runrecord import EventTail, events_path, new_run_id, read_events
 
 
@@ -26,6 +26,18 @@ def test_recorder_appends_flushed_events_readable_while_open(tmp_path: Path) -> 
     assert event["t"][1]["shape"] == [10] and event["t"][1]["dtype"] == "float32"
     rec.close()
     rec.close()  # idempotent
+
+
+def test_large_floating_tensors_keep_an_evenly_spaced_sample(tmp_path: Path) -> None:
+    rec = Recorder(events_path(tmp_path, 0), values_max=4)
+    big = torch.arange(100.0).view(10, 10)
+    rec.write("data", "loader0", 0, [big, torch.arange(100), big.t(), torch.arange(3.0)])
+    rec.close()
+    floating, integer, transposed, small = read_events(events_path(tmp_path, 0))[0]["t"]
+    assert floating["s"] == [float(i) for i in range(0, 100, 100 // SAMPLE_SIZE)][:SAMPLE_SIZE]
+    assert "v" not in floating
+    assert "s" not in integer and "s" not in transposed  # floating and contiguous only: no copy
+    assert small["v"] == [0.0, 1.0, 2.0] and "s" not in small
 
 
 def test_event_fingerprint_is_value_sensitive_and_layout_independent(tmp_path: Path) -> None:

@@ -258,8 +258,13 @@ def check_script(
     later_args: Sequence[str] | None = None,
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
+    steps_after_divergence: int = 0,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
+
+    ``steps_after_divergence``: the runs go on for up to this many training steps after the step
+    of the first divergence (default: stopped at once), so a report can show how the difference
+    grows (``check --report`` asks for ``cli.REPORT_STEPS_AFTER``).
 
     ``later_args``: the runs after the first get these arguments instead of ``args`` (a variant
     of the script compared against it: a run resumed midway against one that was not).
@@ -280,6 +285,8 @@ def check_script(
         raise SettingsError(f"steps must be >= 1, got {steps}")
     if vary is not None and vary not in VARY_CHOICES:
         raise SettingsError(f"vary must be one of {VARY_CHOICES}, got {vary!r}")
+    if steps_after_divergence < 0:
+        raise SettingsError(f"steps_after_divergence must be >= 0, got {steps_after_divergence}")
     base = ChildSpec(
         cpu_capability=cpu_capability,
         seed=None if no_seed else seed,
@@ -322,6 +329,7 @@ def check_script(
             progress=progress,
             poll_interval=poll_interval,
             start_notes=portable_notes,
+            linger=steps_after_divergence,
         )
     finally:
         if layers is not None:
@@ -367,6 +375,7 @@ def _check(
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
     start_notes: Sequence[str] = (),
+    linger: int = 0,
 ) -> CheckResult:
     """The check of ``check_script``: ``commands`` holds each run's command line."""
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
@@ -409,6 +418,7 @@ def _check(
                 poll_interval=poll_interval,
                 serial=serial,
                 pair=same_rank if world is None else world_pair,
+                linger=linger,
             )
     finally:
         for run in all_runs:

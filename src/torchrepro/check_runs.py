@@ -269,8 +269,12 @@ def watch(
     stop_early: bool = True,
     serial: bool = False,
     pair: Pair = same_rank,
+    linger: int = 0,
 ) -> tuple[list[tuple[int, Divergence]], list[RankCursor], Run | None]:
     """Start the runs, compare live; return (divergences, cursors, failed run or None).
+
+    ``linger``: with ``stop_early``, the runs go on for this many training steps after the step of
+    the first divergence before they are stopped (so a report shows how the difference grows).
 
     ``serial``: one run at a time, each later one compared live against the first. ``pair``: how
     a rank of a later run is compared with the first run (``world_pair`` across world sizes).
@@ -305,7 +309,11 @@ def watch(
             if d is not None and (i, r) not in found:
                 found[(i, r)] = d
         if found and stop_early:
-            break
+            last = min(d.step for d in found.values()) + linger
+            if linger == 0 or all(
+                is_done or run.steps_done() > last for run, is_done in zip(runs, done, strict=True)
+            ):
+                break
         if all(done):
             break
         if progress is not None:

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchrepro._version import __version__
 from torchrepro.errors import ReproError
-from torchrepro.events import describe_name
-from torchrepro.verdict import describe_check, describe_divergence, describe_final_state, describe_steps
+from torchrepro.verdict import describe_check, describe_comparison
 
 if TYPE_CHECKING:
     from torchrepro.audit import AuditReport
@@ -30,6 +29,9 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_INCONCLUSIVE = 3
+
+REPORT_STEPS_AFTER = 20
+"""With ``check --report``, the runs go on for up to this many steps after the first divergence."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -232,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
         "to its own copy-on-write view of it, kept in its record; the user's files are never touched)",
     )
     p.add_argument(
+        "--report",
+        metavar="OUT.html",
+        default=None,
+        help="also write the verdict as one self-contained HTML page: a plot per step of how far the "
+        "runs are apart, the first divergence with its source lines, the environment differences; the "
+        f"runs go on for up to {REPORT_STEPS_AFTER} steps after a divergence so the plot shows it grow",
+    )
+    p.add_argument(
         "--json", action="store_true", help="print the verdict as one JSON object on stdout (with notes)"
     )
     _add_script_args(p)
@@ -239,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compare", help="compare two recorded runs")
     p.add_argument("run_a", help="a run-record directory (torchrepro run --record DIR)")
     p.add_argument("run_b", help="another run-record directory")
+    p.add_argument(
+        "--report",
+        metavar="OUT.html",
+        default=None,
+        help="also write the comparison as one self-contained HTML page (a plot per step of how far "
+        "the runs are apart, the first divergence with its source lines, the environment differences)",
+    )
     p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
 
     p = sub.add_parser("audit", help="find what would break determinism on CUDA, from a CPU run")
@@ -371,6 +388,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from torchrepro.check import CheckProgress, check_script
 
     script, module, rest = _script_target(args)
+    if args.report is not None:
+        from torchrepro.report import check_report_path
+
+        check_report_path(args.report)  # a path it may not write is refused before the runs start
     tty = sys.stderr.isatty()
     last_line_at = [-1e9]
 
@@ -405,10 +426,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
         serial=args.serial,
         isolate=not args.no_isolate,
         progress=progress,
+        steps_after_divergence=REPORT_STEPS_AFTER if args.report is not None else 0,
     )
     if tty:
         print(file=sys.stderr)
     verdict = result.to_dict()
+    if args.report is not None:
+        from torchrepro.report import write_check_report
+
+        print(f"torchrepro check: report in {write_check_report(args.report, result)}", file=sys.stderr)
     if result.error is not None:
         # runs that wrote the same paths outside the isolation failed because of each other: the
         # error names them and the ways out, and is not called a failure of the script
@@ -435,42 +461,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
     from torchrepro.compare import compare_runs
 
+    if args.report is not None:
+        from torchrepro.report import check_report_path
+
+        check_report_path(args.report)
     result = compare_runs(args.run_a, args.run_b)
     data = result.to_dict()
+    if args.report is not None:
+        from torchrepro.report import write_compare_report
+
+        written = write_compare_report(args.report, result, args.run_a, args.run_b)
+        print(f"torchrepro compare: report in {written}", file=sys.stderr)
     if args.json:
         print(json.dumps(data, allow_nan=False))
     else:
-        steps = describe_steps(result.steps_compared, result.optimizer_steps)
-        d = result.first_divergence
-        if result.reproducible is None:
-            print(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
-            print(f"  (the runs did not differ; {steps} compared)")
-        elif result.reproducible:
-            print(f"identical: {steps} compared")
-        elif d is not None and d.final_state and result.reason:
-            print(f"NOT identical: {result.reason}")
-            print(f"  {describe_final_state(d)} ({steps} compared)")
-        else:
-            assert d is not None
-            print(f"NOT identical: first divergence: {describe_divergence(d)}")
-            if result.reason:  # runs on different numbers of processes: why they part
-                print(f"  {result.reason}")
-        for note in result.notes:
-            print(f"  {note}")
-        if not result.reproducible and result.tensor is not None:
-            t = result.tensor
-            if t.nonfinite:
-                diff = "not finite (NaN or infinity in one run against another value, or an overflow)"
-            elif t.max_abs_diff is None:
-                diff = "not stored (tensor too large)"
-            else:
-                diff = f"{t.max_abs_diff:.3g}"
-            kind = result.first_divergence.kind if result.first_divergence is not None else ""
-            label = describe_name(t.name, kind) if t.name else f"#{t.leaf}"
-            print(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
+        lines = describe_comparison(result)
+        print("\n".join(lines[:-1] if result.coverage is not None else lines))
         _render_env_differences(data["env_differences"])
         if result.coverage is not None:
-            print(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
+            print(lines[-1])
     if result.reproducible is None:
         return EXIT_INCONCLUSIVE
     return EXIT_OK if result.reproducible else EXIT_FINDINGS

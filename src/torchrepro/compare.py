@@ -391,9 +391,11 @@ class WorldScope:
 class TensorDifference:
     """The first differing tensor of a diverging event; its largest absolute difference if stored.
 
-    ``max_abs_diff`` is None when the values were not stored (a large tensor) or when the
-    difference is unbounded: ``nonfinite`` is then True (an element is NaN or infinite in one run
-    and another value in the other, or ``|a-b|`` overflows).
+    ``max_abs_diff`` is None when no values were stored, or when the difference is unbounded:
+    ``nonfinite`` is then True (an element is NaN or infinite in one run and another value in the
+    other, or ``|a-b|`` overflows). ``sampled``: the tensor was too large for all its values to be
+    stored, and ``max_abs_diff`` is the largest difference among the evenly spaced sample the
+    recorder keeps (``recorder.SAMPLE_SIZE``): a lower bound, 0.0 when the sample is equal.
     """
 
     leaf: int
@@ -403,6 +405,7 @@ class TensorDifference:
     nonfinite: bool = False
     name: str | None = None
     """The tensor's recorded name (``grad:fc.weight``, ``[0]``...), if it has one."""
+    sampled: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (strict JSON: never NaN or an infinity)."""
@@ -413,7 +416,20 @@ class TensorDifference:
             "dtype": self.dtype,
             "max_abs_diff": self.max_abs_diff,
             "nonfinite": self.nonfinite,
+            "sampled": self.sampled,
         }
+
+    def describe_difference(self) -> str:
+        """The largest difference in words (``1.2e-07``, ``at least 3e-05 (8 sampled values)``)."""
+        if self.nonfinite:
+            return "not finite (NaN or infinity in one run against another value, or an overflow)"
+        if self.max_abs_diff is None:
+            return "not stored (tensor too large)"
+        if self.sampled:
+            if self.max_abs_diff == 0:
+                return "not seen (the values sampled from this large tensor are equal)"
+            return f"at least {self.max_abs_diff:.3g} (from sampled values of this large tensor)"
+        return f"{self.max_abs_diff:.3g}"
 
 
 @dataclass(frozen=True)
@@ -644,7 +660,9 @@ class Comparison:
             "inconclusive": self.reproducible is None,
             "reason": self.reason,
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
-            "env_differences": [_env_diff_dict(d, self.setting_differences) for d in self.env_differences],
+            "env_differences": [
+                env_difference_dict(d, self.setting_differences) for d in self.env_differences
+            ],
             "tensor": None if self.tensor is None else self.tensor.to_dict(),
             "notes": list(self.notes),
         }
@@ -653,7 +671,7 @@ class Comparison:
         return d
 
 
-def _env_diff_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[str, Any]:
+def env_difference_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[str, Any]:
     to_dict = getattr(d, "to_dict", None)
     result = to_dict() if callable(to_dict) else None
     if not isinstance(result, dict):
@@ -662,7 +680,7 @@ def _env_diff_dict(d: Any, started: Sequence[SettingDifference] = ()) -> dict[st
     return {**result, "volatile": is_volatile(key), "setting": explaining_setting(key, started)}
 
 
-def _largest_difference(va: list[float], vb: list[float]) -> float | None:
+def largest_difference(va: list[float], vb: list[float]) -> float | None:
     """The largest ``|a-b|`` over elements that differ (0.0: none); None when it is unbounded."""
     largest = 0.0
     for x, y in zip(va, vb, strict=True):
@@ -677,16 +695,12 @@ def _largest_difference(va: list[float], vb: list[float]) -> float | None:
 
 
 def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference | None:
-    """The first differing tensor leaf of two events, with its largest absolute difference if stored."""
+    """The first differing tensor leaf of two events, with its largest absolute difference if stored
+    (every value of a small tensor; the recorder's sample of a large one, a lower bound)."""
     for i, (la, lb) in enumerate(zip(a.get("t", []), b.get("t", []), strict=False)):
         if la["fp"] == lb["fp"]:
             continue
-        diff: float | None = None
-        nonfinite = False
-        va, vb = la.get("v"), lb.get("v")
-        if va is not None and vb is not None and len(va) == len(vb):
-            diff = _largest_difference(va, vb)
-            nonfinite = diff is None
+        diff, nonfinite, sampled = leaf_difference(la, lb)
         return TensorDifference(
             leaf=i,
             shape=list(la["shape"]),
@@ -694,7 +708,30 @@ def tensor_difference(a: dict[str, Any], b: dict[str, Any]) -> TensorDifference 
             max_abs_diff=diff,
             nonfinite=nonfinite,
             name=la.get("n"),
+            sampled=sampled,
         )
+    return None
+
+
+def leaf_difference(la: dict[str, Any], lb: dict[str, Any]) -> tuple[float | None, bool, bool]:
+    """``(largest |a-b|, nonfinite, sampled)`` of two recorded tensor leaves from their stored values:
+    all of them (``v``), else the recorder's sample (``s``, ``sampled``: a lower bound); the
+    difference is None when neither run stored comparable values, or when it is unbounded
+    (``nonfinite``)."""
+    for key in ("v", "s"):
+        va, vb = recorded_numbers(la.get(key)), recorded_numbers(lb.get(key))
+        if va is not None and vb is not None and len(va) == len(vb) and la.get("shape") == lb.get("shape"):
+            diff = largest_difference(va, vb)
+            return diff, diff is None, key == "s"
+    return None, False, False
+
+
+def recorded_numbers(values: Any) -> list[float] | None:
+    """Recorded values (``v``, ``s``) as floats, or None when they are not a list of numbers."""
+    if isinstance(values, list) and all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in values
+    ):
+        return [float(x) for x in values]
     return None
 
 
@@ -914,7 +951,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
             tensor = tensor_difference(ea[first.index], eb[first.index])
     started = setting_differences(a, b)
     unrecorded = _unrecorded(a, b)
-    env_differences, notes = _env_differences(a, b)
+    env_differences, notes = environment_differences(a, b)
     notes = world_notes + unrecorded + notes
     covered = coverage(list(cursors.values()), sorted(cursors))
     reason = None
@@ -972,7 +1009,7 @@ def _unrecorded(a: RunRecord, b: RunRecord) -> list[str]:
     return notes
 
 
-def _env_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
+def environment_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list[str]]:
     """The environment differences of two records, or none and a note saying why not.
 
     An environment that is missing, failed to collect or is malformed never hides the verdict.

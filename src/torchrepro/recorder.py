@@ -7,7 +7,9 @@ The events go to the run record's ``events.rank<R>.jsonl`` (file names: ``runrec
   optimizer, loader or recorded name), ``step``, ``fp`` (``torchrepro.fingerprint`` of the
   event's value) and ``t``: one entry per tensor leaf (its fingerprint, dtype, shape, its name
   ``n`` when it has one, and its values when it has at most ``values_max`` elements, so
-  ``compare`` can report the largest absolute difference of a small tensor). A leaf's name is its
+  ``compare`` can report the largest absolute difference of a small tensor; a larger contiguous
+  floating tensor gets ``s``, ``SAMPLE_SIZE`` of its elements evenly spaced over the flat tensor, a
+  lower bound of how far two runs are apart that the HTML report plots). A leaf's name is its
   path in a batch (``[0]``, ``["input_ids"]``) or, in ``init``/``compute`` events, the parameter,
   gradient or optimizer state it is (``_child.training``); a ``data`` event's ``src`` says where
   the script created the DataLoader. Two runs agree at an event iff the events are equal
@@ -36,6 +38,8 @@ from torchrepro.events import EVENT_KINDS
 __all__ = ["EVENT_KINDS", "Recorder", "activate", "active_recorder", "record"]
 
 _VALUES_MAX_DEFAULT = 64
+SAMPLE_SIZE = 8
+"""Elements of a larger floating tensor kept as ``s`` (evenly spaced: ``flat[::numel // 8][:8]``)."""
 
 _active: Recorder | None = None
 
@@ -125,6 +129,15 @@ def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
         if not (flat.is_floating_point() and flat.is_cpu):
             flat = flat.to("cpu", torch.float64)
         entry["v"] = flat.tolist()
+    elif (
+        t.numel() > max(values_max, SAMPLE_SIZE)
+        and t.is_floating_point()
+        and t.layout == torch.strided
+        and not t.is_meta
+        and t.is_contiguous()
+    ):
+        flat = t.detach().view(-1)[:: t.numel() // SAMPLE_SIZE][:SAMPLE_SIZE]  # a view: no copy
+        entry["s"] = (flat if flat.is_cpu else flat.to("cpu", torch.float64)).tolist()
     return entry
 
 

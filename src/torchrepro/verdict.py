@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchrepro.events import BACKWARD_KEY, is_step
+from torchrepro.events import BACKWARD_KEY, describe_name, is_step
 
 if TYPE_CHECKING:
     from torchrepro.check import CheckResult
-    from torchrepro.compare import Divergence
+    from torchrepro.compare import Comparison, Divergence
 
 __all__ = [
     "describe_check",
+    "describe_comparison",
     "describe_divergence",
     "describe_final_state",
     "describe_portable",
@@ -106,4 +107,35 @@ def describe_check(result: CheckResult) -> list[str]:
         lines.append(f"  {result.world.describe()}")
     if result.isolation is not None:
         lines.append(f"  isolation: {result.isolation.describe()}")
+    return lines
+
+
+def describe_comparison(result: Comparison) -> list[str]:
+    """The verdict of ``compare`` as ``torchrepro compare`` prints it: the headline, the notes, the
+    first differing tensor and, last when there is one, what was compared (the command line prints
+    the environment differences before that last line)."""
+    lines = []
+    steps = describe_steps(result.steps_compared, result.optimizer_steps)
+    d = result.first_divergence
+    if result.reproducible is None:
+        lines.append(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
+        lines.append(f"  (the runs did not differ; {steps} compared)")
+    elif result.reproducible:
+        lines.append(f"identical: {steps} compared")
+    elif d is not None and d.final_state and result.reason:
+        lines.append(f"NOT identical: {result.reason}")
+        lines.append(f"  {describe_final_state(d)} ({steps} compared)")
+    else:
+        assert d is not None
+        lines.append(f"NOT identical: first divergence: {describe_divergence(d)}")
+        if result.reason:  # runs on different numbers of processes: why they part
+            lines.append(f"  {result.reason}")
+    lines.extend(f"  {note}" for note in result.notes)
+    if not result.reproducible and result.tensor is not None:
+        t = result.tensor
+        diff = t.describe_difference()
+        label = describe_name(t.name, d.kind if d is not None else "") if t.name else f"#{t.leaf}"
+        lines.append(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
+    if result.coverage is not None:
+        lines.append(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
     return lines

@@ -157,13 +157,13 @@ def test_marked_tests_pass_fail_and_leave_a_report_per_failure(tmp_path: Path) -
     assert f"torchrepro: 2 reports of failed checks in {reports}" in out
     # one report per failing test, named after its id
     names = sorted(p.name for p in reports.iterdir())
-    assert names == [
-        "test_training.py_test_depends_on_threads-" + names[0].split("-")[-1],
-        names[1],
-        "test_training.py_test_trains_nothing-" + names[2].split("-")[-1],
-        names[3],
+    stems = sorted({Path(n).stem for n in names})
+    assert [s.rsplit("-", 1)[0] for s in stems] == [
+        "test_training.py_test_depends_on_threads",
+        "test_training.py_test_trains_nothing",
     ]
-    assert [Path(n).suffix for n in names] == [".json", ".txt", ".json", ".txt"]
+    assert names == [f"{stem}{suffix}" for stem in stems for suffix in (".html", ".json", ".txt")]
+    names = [n for n in names if not n.endswith(".html")]
     report = json.loads((reports / names[0]).read_text())
     assert report["test"] == "test_training.py::test_depends_on_threads"
     (check,) = report["checks"]
@@ -176,5 +176,7 @@ def test_marked_tests_pass_fail_and_leave_a_report_per_failure(tmp_path: Path) -
     assert (
         text.startswith("test_training.py::test_depends_on_threads\n") and f"test_training.py:{line}" in text
     )
+    page = (reports / f"{stems[0]}.html").read_text()
+    assert "NOT REPRODUCIBLE" in page and f"test_training.py:{line}" in page and 'id="distance-plot"' in page
     inconclusive = json.loads((reports / names[2]).read_text())
     assert inconclusive["checks"][0]["inconclusive"] is True

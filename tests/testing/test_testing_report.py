@@ -59,8 +59,10 @@ def test_a_report_holds_every_verdict_and_the_message(tmp_path: Path) -> None:
     )
     paths = write_report(tmp_path / "reports", "tests/test_t.py::test_t", failure)
     assert [p.name for p in paths] == [
-        f"{report_name('tests/test_t.py::test_t')}.{s}" for s in ("json", "txt")
+        f"{report_name('tests/test_t.py::test_t')}.{s}" for s in ("json", "txt", "html")
     ]
+    page = paths[2].read_text()  # the failed check's page (its records are gone: the verdict still shows)
+    assert "NOT REPRODUCIBLE" in page and "aten.mm" in page and "t.py:3" in page
     data = json.loads(paths[0].read_text())
     assert data["test"] == "tests/test_t.py::test_t" and data["message"] == "t.py: NOT reproducible"
     assert [c["vary"] for c in data["checks"]] == [None, "threads"]

@@ -4,8 +4,9 @@ Invariants: one report per failing test, named after its test id (``report_name`
 outside ``[A-Za-z0-9._-]`` become ``_``, long ids are cut and keep a digest of the whole id, so two
 ids never share a file); a report is the verdicts as JSON (``<name>.json``: the ``check --json``
 object of every check the test made) and the assertion's message as text (``<name>.txt``),
-written atomically. ``write_report`` is the one entry point (an HTML report can replace it).
-Standard library only.
+written atomically, and the HTML report (``torchrepro.report``, what ``check --report`` writes) of
+each check that did not pass (``<name>.html``; ``<name>-<k>.html`` for the k-th of several).
+``write_report`` is the one entry point.
 """
 
 from __future__ import annotations
@@ -64,4 +65,11 @@ def write_report(directory: str | os.PathLike[str], test_id: str, failure: Repro
     paths = [out / f"{name}.json", out / f"{name}.txt"]
     atomic_write_json(paths[0], report_data(test_id, failure))
     atomic_write_bytes(paths[1], f"{test_id}\n{failure}\n".encode())
+    from torchrepro.report import write_check_report
+
+    failed = [r for r in failure.results if r.reproducible is not True]
+    for k, result in enumerate(failed):
+        paths.append(
+            write_check_report(out / (f"{name}.html" if len(failed) == 1 else f"{name}-{k}.html"), result)
+        )
     return paths
