@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml constraints-dev.txt requirements-dev.txt
 
 demo: $(STAMP)
 	$(VENV)/bin/torchrepro check examples/digits_train.py
-	$(VENV)/bin/torchrepro check examples/digits_broken.py || test $$? -eq 1  # a divergence is the point
+	$(VENV)/bin/torchrepro check --report .torchrepro/demo-report.html examples/digits_broken.py \
+		|| test $$? -eq 1  # a divergence is the point; open .torchrepro/demo-report.html to see it
 	$(PY) examples/seed_demo.py
 
 lint: $(STAMP)
