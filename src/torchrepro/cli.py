@@ -220,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument(
+        "--repro",
+        metavar="DIR",
+        default=None,
+        help="when the located op's inputs are equal and its outputs differ (or depend on the thread "
+        "count), write a standalone script (repro.py, needs torch only) and its inputs into DIR, a new "
+        "or empty directory: what to attach to a bug report",
+    )
+    p.add_argument(
         "--serial",
         action="store_true",
         help="run one run at a time (for a GPU that holds one run, or a script writing fixed paths "
@@ -405,6 +413,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         serial=args.serial,
         isolate=not args.no_isolate,
         progress=progress,
+        repro=args.repro,
     )
     if tty:
         print(file=sys.stderr)
