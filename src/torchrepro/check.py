@@ -680,19 +680,21 @@ def _repro(
         capture_op=chosen.op.index,
         capture_out=os.fspath((base / "capture").resolve()),
     )
-    run = make_run(0, base / "run", command, spec, ranks=ranks, layers=layers)
-    try:
-        _, _, failed = watch([run], progress=None, poll_interval=poll_interval, stop_early=False)
-    finally:
-        run.stop()
-    if failed is not None:
-        return (
-            None,
-            f"{nothing}: the re-run that saves the op's inputs failed with exit code {failed.returncode}",
-        )
     module = "outside any module" if first.module is None else f"in module {first.module!r}"
     where = f"at training step {first.step}, {module}, {first.location or 'line unknown'}"
-    written = write_repro(directory, chosen, base / "capture", where=where)
+    run = make_run(0, base / "run", command, spec, ranks=ranks, layers=layers)
+    try:  # best effort, like locating: never fails the check
+        _, _, failed = watch([run], progress=None, poll_interval=poll_interval, stop_early=False)
+        if failed is not None:
+            return (
+                None,
+                f"{nothing}: the re-run that saves the op's inputs failed (exit code {failed.returncode})",
+            )
+        written = write_repro(directory, chosen, base / "capture", where=where)
+    except Exception as exc:
+        return None, f"{nothing}: {type(exc).__name__}: {exc}"
+    finally:
+        run.stop()
     if isinstance(written, str):
         return None, f"{nothing}: {written}"
     script = os.path.join(os.fspath(directory), SCRIPT_FILE)

@@ -93,7 +93,9 @@ def prepare_dir(path: str | os.PathLike[str]) -> Path:
     Raises ``SettingsError`` otherwise: nothing the user saved is ever overwritten.
     """
     where = Path(path).absolute()
-    if where.is_symlink() or (where.exists() and not where.is_dir()):
+    if where.is_symlink():
+        raise SettingsError(f"--repro {os.fspath(path)}: is a symbolic link; name a new or empty directory")
+    if where.exists() and not where.is_dir():
         raise SettingsError(
             f"--repro {os.fspath(path)}: exists and is not a directory; name a new or empty one"
         )
