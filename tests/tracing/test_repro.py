@@ -21,7 +21,7 @@ from torchrepro import runrecord
 from torchrepro.tracing import Tracer
 from torchrepro.tracing.capture import CaptureRequest
 from torchrepro.tracing.ops import OpDivergence
-from torchrepro.tracing.repro import INPUTS_FILE, REPEAT_CALLS, SCRIPT_FILE, Target, write_repro
+from torchrepro.tracing.repro import INPUTS_FILE, REPEAT_CALLS, SCRIPT_FILE, Target, target, write_repro
 
 
 def _capture(tmp_path: Path, fn: object, *args: torch.Tensor, index: int = 0) -> tuple[Path, Path]:
@@ -130,3 +130,34 @@ def test_inputs_other_than_the_located_ones_write_nothing(tmp_path: Path) -> Non
     assert isinstance(why, str) and "saw other inputs" in why
     assert not (tmp_path / "r").exists()
     assert not (tmp_path / "r" / INPUTS_FILE).exists()
+
+
+def _traces(tmp_path: Path, a: object, b: object) -> Path:
+    for side, fn in (("a", a), ("b", b)):
+        with Tracer(runrecord.trace_path(tmp_path / f"trace-{side}", 0)):
+            fn()  # type: ignore[operator]
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("not located", "no op was located"),
+        ("inputs differ", "an input of aten.mul.Tensor already differed between the runs"),
+        ("control flow", "the runs issued different ops at step 3 (aten.mul.Tensor vs aten.add.Tensor)"),
+        ("random op", "aten.bernoulli.default draws from a random number generator"),
+    ],
+)
+def test_a_divergence_no_single_call_shows_gets_the_reason(tmp_path: Path, case: str, why: str) -> None:
+    x = torch.ones(3)
+    runs = {
+        "inputs differ": (lambda: x * 2.0, lambda: x * 3.0),
+        "control flow": (lambda: x * 2.0, lambda: x + 2.0),
+        "random op": (
+            lambda: torch.bernoulli(torch.full((8,), 0.5), generator=torch.Generator().manual_seed(0)),
+            lambda: torch.bernoulli(torch.full((8,), 0.5), generator=torch.Generator().manual_seed(1)),
+        ),
+    }
+    traces = None if case == "not located" else _traces(tmp_path, *runs[case])
+    chosen = target(3, 0, traces, threads=(1, 2))
+    assert isinstance(chosen, str) and chosen.startswith(why), chosen

@@ -199,6 +199,8 @@ class Tracer(_Observer):
     overwritten, are recorded as ``uninit`` and never compared as data; non-tensor arguments
     (Python scalars, dtypes, shapes) form one more input. The trace header names the digest
     algorithm, and :func:`compare_traces` refuses to compare traces digested differently.
+    ``capture`` (``check --repro``) also saves the inputs of the op at that index of the trace
+    (``tracing.capture``).
     """
 
     _what = "Tracer"
