@@ -206,6 +206,7 @@ def test_check_result_to_dict_shape() -> None:
         "portable": None,
         "coverage": None,
         "notes": [],
+        "repro": None,
     }
     d = Divergence(step=3, rank=1, kind="compute", op="aten.mm", module="fc", location="t.py:9")
     diverged = CheckResult(reproducible=False, runs=3, steps_compared=4, first_divergence=d, check_dir="/c")
@@ -265,6 +266,7 @@ def test_check_result_error_only_when_set() -> None:
         "portable": None,
         "coverage": None,
         "notes": [],
+        "repro": None,
         "error": "run 2 of 2 failed with exit code 1",
     }
 

@@ -23,6 +23,10 @@ Invariants:
   with op tracing for step k only; locating is best effort and never fails the check. Under
   ``--vary threads`` a located op is named as one whose CPU kernel splits work by thread: one
   ``--portable`` fixes, or one of the audit's table (``audit.threads``) that it does not.
+- ``repro`` (``check --repro DIR``): a located op whose inputs were equal and outputs differed is
+  called once more in a re-run of the first side that saves its inputs, and ``tracing.repro``
+  writes a standalone script of it into DIR (new or empty, checked before any run); nothing is
+  written, with a note saying why, for anything else.
 - ``portable`` runs every run in portable mode; the verdict says so (``portable``: the values the
   runs started with), and a portable value kept from the user's environment gets a note.
 - ``vary="world"`` runs the first run on 1 process and the later ones on ``nproc`` (default 2),
@@ -39,7 +43,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
 from torchrepro._child.spec import ChildSpec, python_hash_seed
@@ -78,6 +82,9 @@ from torchrepro.launch import (
 )
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
 
+if TYPE_CHECKING:
+    from torchrepro.tracing.repro import Repro
+
 __all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
 
 VARY_CHOICES = ("workers", "threads", "hashseed", "world")
@@ -107,6 +114,7 @@ class CheckResult:
     ``onednn``: False), None when it was off.
     ``world`` (``--vary world``) says which ranks and events were compared across world sizes;
     ``reason`` then says, for a divergence, why the runs part and what to do.
+    ``repro`` is what ``repro=DIR`` wrote (None: nothing; the notes say why).
     """
 
     reproducible: bool | None
@@ -126,6 +134,7 @@ class CheckResult:
     optimizer_steps: dict[str, int] = field(default_factory=dict)
     portable: dict[str, Any] | None = None
     world: WorldScope | None = None
+    repro: Repro | None = None
 
     @property
     def inconclusive(self) -> bool:
@@ -148,6 +157,7 @@ class CheckResult:
             "portable": None if self.portable is None else dict(self.portable),
             "coverage": None if self.coverage is None else self.coverage.to_dict(),
             "notes": list(self.notes),
+            "repro": None if self.repro is None else self.repro.to_dict(),
         }
         if self.world is not None:
             d["world"] = self.world.to_dict()
@@ -259,6 +269,7 @@ def check_script(
     progress: Callable[[CheckProgress], None] | None = None,
     poll_interval: float = 0.05,
     steps_after_divergence: int = 0,
+    repro: str | os.PathLike[str] | None = None,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
 
@@ -276,6 +287,8 @@ def check_script(
     ``portable=True`` runs them in portable mode (``torchrepro.portable``); with
     ``vary="threads"`` the check then says whether the script's results are independent of the
     thread count, and where they are not.
+    ``repro``: a directory (new or empty) for a standalone script that reproduces the located op's
+    difference (``tracing.repro``); needs ``locate``.
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -295,6 +308,13 @@ def check_script(
         max_steps=steps,
         portable=portable,
     )
+    if repro is not None and not locate:
+        raise SettingsError("--repro writes a script of the op that locating finds; drop --no-locate")
+    repro_dir = None
+    if repro is not None:
+        from torchrepro.tracing.repro import prepare_dir
+
+        repro_dir = prepare_dir(repro)
     portable_notes = start_notes(base)  # a value it cannot use is refused before anything is created
     check_target(script, module, args, command="check")
     worlds = _world_sizes(vary, nproc, runs)
@@ -330,6 +350,7 @@ def check_script(
             poll_interval=poll_interval,
             start_notes=portable_notes,
             linger=steps_after_divergence,
+            repro_dir=repro_dir,
         )
     finally:
         if layers is not None:
@@ -376,6 +397,7 @@ def _check(
     poll_interval: float,
     start_notes: Sequence[str] = (),
     linger: int = 0,
+    repro_dir: Path | None = None,
 ) -> CheckResult:
     """The check of ``check_script``: ``commands`` holds each run's command line."""
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
@@ -455,6 +477,7 @@ def _check(
     other, first = divergences[0] if divergences else (1, None)
     covered = coverage(cursors, range(ranks))
     reason: str | None = None
+    located_in: Path | None = None
     if first is not None and world is not None:  # op traces of different splits do not align
         reason = world.divergence_reason(first)
         notes.append(WORLD_NOT_LOCATED)
@@ -465,7 +488,7 @@ def _check(
         if progress is not None:
             progress(CheckProgress(phase="locating", steps=()))
         with terminate_on_signals():  # SIGTERM while locating ends the traced re-runs too
-            first, locate_notes = _locate(
+            first, locate_notes, located_in = _locate(
                 first,
                 check_dir,
                 (commands[0], commands[other]),
@@ -479,6 +502,21 @@ def _check(
         notes.extend(locate_notes)
     if first is not None and vary == "threads":
         notes.extend(_thread_notes(first.op, portable=base.portable))
+    repro: Repro | None = None
+    if repro_dir is not None:
+        with terminate_on_signals():
+            repro, repro_note = _repro(
+                repro_dir,
+                first,
+                located_in,
+                check_dir=check_dir,
+                command=commands[0],
+                specs=(specs[0], specs[other]),
+                ranks=ranks,
+                layers=layers,
+                poll_interval=poll_interval,
+            )
+        notes.append(repro_note)
     reproducible: bool | None = first is None
     inconclusive = None
     if first is None:
@@ -523,6 +561,7 @@ def _check(
         optimizer_steps=optimizer_steps(cursors),
         portable=portable,
         world=world,
+        repro=repro,
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
@@ -560,8 +599,9 @@ def _locate(
     progress: Callable[[CheckProgress], None] | None,
     poll_interval: float,
     serial: bool = False,
-) -> tuple[Divergence, list[str]]:
-    """Re-run both sides with op tracing at the divergent step; fill op/module/location."""
+) -> tuple[Divergence, list[str], Path | None]:
+    """Re-run both sides with op tracing at the divergent step; fill op/module/location. Also
+    returns the ``locate<j>`` directory whose traces located it (None: not located)."""
     k = first.step
     notes: list[str] = []
     for attempt in range(LOCATE_ATTEMPTS):
@@ -581,13 +621,13 @@ def _locate(
             )
         except Exception as exc:
             notes.append(f"locating failed: {type(exc).__name__}: {exc}")
-            return first, notes
+            return first, notes, None
         finally:
             for run in sides:
                 run.stop()
         if failed is not None:
             notes.append(f"locating: the traced re-run failed with exit code {failed.returncode}")
-            return first, notes
+            return first, notes, None
         traces = [
             (r, runrecord.trace_path(base / "trace-a", r), runrecord.trace_path(base / "trace-b", r))
             for r in range(ranks)
@@ -595,17 +635,17 @@ def _locate(
         traces = [(r, a, b) for r, a, b in traces if a.exists() and b.exists()]
         if not traces:
             notes.append(f"locating: {_no_trace(first, base, ranks)}")
-            return first, notes
+            return first, notes, None
         located, compare_notes, failed_ranks = locate_in_traces(first, traces, varied=_varied_setting(specs))
         notes.extend(f"locating: {note}" for note in compare_notes)
         if located is not None:
-            return located, notes
+            return located, notes, base
         if failed_ranks:
             ranks_text = ", ".join(map(str, failed_ranks))
             notes.append(
                 f"locating: the op traces of rank(s) {ranks_text} could not be compared: the op is unknown"
             )
-            return first, notes
+            return first, notes, None
         same = not divergences
         what = (
             f"did not diverge at step {k} (intermittent nondeterminism)"
@@ -613,7 +653,68 @@ def _locate(
             else "diverged, but no op with equal inputs and different outputs was found"
         )
         notes.append(f"locating attempt {attempt + 1}: the traced re-runs {what}")
-    return first, notes
+    return first, notes, None
+
+
+def _repro(
+    directory: Path,
+    first: Divergence | None,
+    located_in: Path | None,
+    *,
+    check_dir: Path,
+    command: list[str],
+    specs: tuple[ChildSpec, ChildSpec],
+    ranks: int,
+    layers: Layers | None,
+    poll_interval: float,
+) -> tuple[Repro | None, str]:
+    """``--repro``: re-run the first side once more, saving the inputs of the located op call,
+    and write the standalone script into ``directory``; or the note saying why not."""
+    from torchrepro.tracing.repro import SCRIPT_FILE, target, write_repro
+
+    nothing = "--repro: no script written"
+    if first is None:
+        return None, f"{nothing}: the runs did not differ"
+    if first.kind != "compute" or first.op is None:
+        why = "it was not located" if first.kind == "compute" else f"it is a {first.kind} divergence"
+        return None, f"{nothing}: the runs differ, but {why}; a script reproduces a located op"
+    chosen = target(first.step, first.rank, located_in, threads=(specs[0].threads, specs[1].threads))
+    if isinstance(chosen, str):
+        return None, f"{nothing}: {chosen}"
+    base = check_dir / "repro"
+    spec = specs[0].replace(
+        max_steps=first.step + 1,
+        trace_step=first.step,
+        trace_out=os.fspath((base / "trace").resolve()),
+        trace_optimizer=optimizer_index(first.key),
+        capture_op=chosen.op.index,
+        capture_out=os.fspath((base / "capture").resolve()),
+    )
+    module = "outside any module" if first.module is None else f"in module {first.module!r}"
+    where = f"at training step {first.step}, {module}, {first.location or 'line unknown'}"
+    run = make_run(0, base / "run", command, spec, ranks=ranks, layers=layers)
+    try:  # best effort, like locating: never fails the check
+        _, _, failed = watch([run], progress=None, poll_interval=poll_interval, stop_early=False)
+        if failed is not None:
+            return (
+                None,
+                f"{nothing}: the re-run that saves the op's inputs failed (exit code {failed.returncode})",
+            )
+        written = write_repro(directory, chosen, base / "capture", where=where)
+    except Exception as exc:
+        return None, f"{nothing}: {type(exc).__name__}: {exc}"
+    finally:
+        run.stop()
+    if isinstance(written, str):
+        return None, f"{nothing}: {written}"
+    script = os.path.join(os.fspath(directory), SCRIPT_FILE)
+    shown = {
+        True: "run once here in a fresh process, it showed the difference",
+        False: "run once here in a fresh process, it did NOT show the difference: the op's result "
+        "depends on more than its inputs and the thread count",
+        None: "run once here in a fresh process, it did not finish",
+    }[written.reproduces]
+    return written, f"--repro: wrote a standalone reproduction of {written.op}: python {script} ({shown})"
 
 
 _TRACING_UNAVAILABLE = "op tracing unavailable:"

@@ -222,6 +222,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument(
+        "--repro",
+        metavar="DIR",
+        default=None,
+        help="when the located op's inputs are equal and its outputs differ (or depend on the thread "
+        "count), write a standalone script (repro.py, needs torch only) and its inputs into DIR, a new "
+        "or empty directory: what to attach to a bug report",
+    )
+    p.add_argument(
         "--serial",
         action="store_true",
         help="run one run at a time (for a GPU that holds one run, or a script writing fixed paths "
@@ -427,6 +435,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         isolate=not args.no_isolate,
         progress=progress,
         steps_after_divergence=REPORT_STEPS_AFTER if args.report is not None else 0,
+        repro=args.repro,
     )
     if tty:
         print(file=sys.stderr)

@@ -12,6 +12,8 @@ A run record is a directory (``torchrepro run``: ``.torchrepro/runs/<id>/``; ``c
 - ``uncovered.pid<P>.json``: a python child the script started that trained without a rank of
   its own (or whose rank was taken): its events were not recorded, and a check says so;
 - ``trace-step<K>.rank<R>``: op traces of optimizer step K (``run --trace-step K``);
+- ``<prefix>.rank<R>.pt`` / ``.json``: the inputs of one traced op call and the call described,
+  captured for ``check --repro`` (``capture_paths``);
 - ``stdout.log`` / ``stderr.log``: the run's output, when a check captured it;
 - ``verdict.json``: a check's verdict, at the top of its check directory.
 
@@ -57,6 +59,7 @@ __all__ = [
     "EventTail",
     "RunRecord",
     "RunSettings",
+    "capture_paths",
     "claim",
     "events_path",
     "load_run",
@@ -256,6 +259,13 @@ def trace_prefix(run_dir: str | os.PathLike[str], step: int) -> Path:
 def trace_path(prefix: str | os.PathLike[str], rank: int) -> Path:
     """The op trace file of ``rank`` for a trace prefix (``trace_prefix`` or a check's own)."""
     return Path(f"{os.fspath(prefix)}.rank{rank}")
+
+
+def capture_paths(prefix: str | os.PathLike[str], rank: int) -> tuple[Path, Path]:
+    """The op call ``rank`` captured for ``check --repro`` under a capture prefix: its tensors
+    (``.pt``, loadable with ``torch.load(weights_only=True)``) and the call described (``.json``)."""
+    base = f"{os.fspath(prefix)}.rank{rank}"
+    return Path(base + ".pt"), Path(base + ".json")
 
 
 def ops_path(prefix: str | os.PathLike[str], rank: int) -> Path:

@@ -37,6 +37,7 @@ def specs(draw: st.DrawFn) -> ChildSpec:
     """
     seed = draw(st.none() | st.integers(0, 2**64 - 1))
     trace_step = draw(st.none() | st.integers(0, 2**40))
+    capture_op = None if trace_step is None else draw(st.none() | st.integers(0, 2**40))
     return ChildSpec(
         seed=seed,
         mode=draw(st.none() | st.sampled_from(MODES)),
@@ -47,6 +48,8 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         trace_step=trace_step,
         trace_out=None if trace_step is None else draw(paths),
         trace_optimizer=0 if trace_step is None else draw(st.integers(0, 100)),
+        capture_op=capture_op,
+        capture_out=None if capture_op is None else draw(paths),
         ops_out=draw(st.none() | paths),
         audit_settings_out=draw(st.none() | paths),
         num_workers=draw(st.none() | st.just("other") | st.integers(0, 64).map(str)),
@@ -76,6 +79,8 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "trace_step",
         "trace_out",
         "trace_optimizer",
+        "capture_op",
+        "capture_out",
         "ops_out",
         "audit_settings_out",
         "num_workers",
@@ -234,6 +239,9 @@ def test_every_process_start_variable_only_when_asked() -> None:
         ({"trace_step": 2}, "trace_step and trace_out"),
         ({"trace_out": "/t"}, "trace_step and trace_out"),
         ({"trace_optimizer": -2}, "trace_optimizer"),
+        ({"trace_step": 0, "trace_out": "/t", "capture_op": -1, "capture_out": "/c"}, "capture_op"),
+        ({"trace_step": 0, "trace_out": "/t", "capture_op": 3}, "capture_op and capture_out"),
+        ({"capture_op": 3, "capture_out": "/c"}, "capture_op captures an op of the traced step"),
         ({"num_workers": "x"}, "num_workers"),
         ({"num_workers": "-1"}, "num_workers"),
         ({"num_workers": ""}, "num_workers"),

@@ -55,6 +55,8 @@ USAGE_ERRORS = [
     ["check", "--vary", "world", "--nproc", "1"],  # 1 process against 1: nothing would vary
     ["audit", "--steps", "0"],
     ["run", "--trace-step", "-1"],
+    ["check", "--repro", "train.py"],  # a file, not a new or empty directory
+    ["check", "--no-locate", "--repro", "new"],  # nothing located: no op to write a script of
 ]
 
 

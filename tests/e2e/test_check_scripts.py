@@ -46,6 +46,7 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
             "uncovered_ranks": [],
         },
         "notes": [],
+        "repro": None,
         "isolation": {
             "mode": "overlay",
             "root": os.path.realpath(tmp_path),

@@ -99,7 +99,14 @@ class Session:
         try:
             from torchrepro.tracing import Tracer
 
-            self.tracer = Tracer(runrecord.trace_path(self.trace_out, rank))
+            capture = None
+            if self.spec.capture_op is not None and self.spec.capture_out is not None:  # check --repro
+                from torchrepro.tracing.capture import CaptureRequest
+
+                capture = CaptureRequest(
+                    self.spec.capture_op, *runrecord.capture_paths(self.spec.capture_out, rank)
+                )
+            self.tracer = Tracer(runrecord.trace_path(self.trace_out, rank), capture=capture)
             self.tracer.start()
             _recorder.trace_pause = self.tracer.paused
         except Exception as exc:  # locating is best effort: never break the run

@@ -74,6 +74,8 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "trace_step": ("TRACE_STEP", "int"),
     "trace_out": ("TRACE_OUT", "path"),
     "trace_optimizer": ("TRACE_OPTIMIZER", "int"),
+    "capture_op": ("CAPTURE_OP", "int"),
+    "capture_out": ("CAPTURE_OUT", "path"),
     "ops_out": ("OPS_OUT", "path"),
     "audit_settings_out": ("AUDIT_SETTINGS_OUT", "path"),
     "num_workers": ("NUM_WORKERS", "str"),
@@ -84,6 +86,7 @@ _VARIABLES: dict[str, tuple[str, str]] = {
 LOCATION_VARIABLES = (
     *(ENV_PREFIX + var for var, kind in _VARIABLES.values() if kind == "path"),
     ENV_PREFIX + "TRACE_STEP",
+    ENV_PREFIX + "CAPTURE_OP",
 )
 """Protocol variables that only say where a child writes its records (harmless in an env diff)."""
 
@@ -128,7 +131,9 @@ class ChildSpec:
     variables (``portable.start_values``: ``MKL_CBWR``, the CPU ISA) and turns oneDNN off before the
     script runs. ``trace_step``/``trace_out`` trace the ops of step
     ``trace_step`` of optimizer ``trace_optimizer`` to ``<trace_out>.rank<R>``; ``ops_out`` records
-    every op (the audit) to ``<ops_out>.rank<R>.json``; ``max_steps`` ends the run with exit code
+    every op (the audit) to ``<ops_out>.rank<R>.json``; ``capture_op``/``capture_out`` (with a
+    trace) save the inputs of the traced op at that index of the trace to ``<capture_out>.rank<R>.*``
+    (``check --repro``); ``max_steps`` ends the run with exit code
     0 after that many optimizer steps.
     """
 
@@ -141,6 +146,8 @@ class ChildSpec:
     trace_step: int | None = None
     trace_out: str | None = None
     trace_optimizer: int = 0
+    capture_op: int | None = None
+    capture_out: str | None = None
     ops_out: str | None = None
     audit_settings_out: str | None = None
     num_workers: str | None = None
@@ -176,6 +183,11 @@ class ChildSpec:
             raise SettingsError(f"hash_seed must be an integer in [0, 2**32), got {self.hash_seed!r}")
         if (self.trace_step is None) != (self.trace_out is None):
             raise SettingsError("trace_step and trace_out go together: give both or neither")
+        _count("capture_op", self.capture_op, 0, "an op index in the trace")
+        if (self.capture_op is None) != (self.capture_out is None):
+            raise SettingsError("capture_op and capture_out go together: give both or neither")
+        if self.capture_op is not None and self.trace_step is None:
+            raise SettingsError("capture_op captures an op of the traced step: give trace_step too")
         if self.num_workers is not None and not re.fullmatch(r"other|[0-9]+", self.num_workers):
             raise SettingsError(f"num_workers must be 'other' or a count >= 0, got {self.num_workers!r}")
         if not isinstance(self.portable, bool):
@@ -184,7 +196,7 @@ class ChildSpec:
             raise SettingsError(
                 f"cpu_capability must be one of {CPU_CAPABILITIES}, got {self.cpu_capability!r}"
             )
-        for name in ("record_dir", "trace_out", "ops_out", "audit_settings_out"):
+        for name in ("record_dir", "trace_out", "capture_out", "ops_out", "audit_settings_out"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))

@@ -18,8 +18,10 @@ Invariants:
 - One module per job: ``ops`` (plain data of op events and trace files, no torch), ``sites``
   (attribution), ``dispatch`` (the dispatch mode and the observer base), ``oprecorder``
   (``OpRecorder``: op names for the audit, no digests), ``tracer`` (digests,
-  ``Tracer``, ``trace``), ``compare`` (reading and comparing trace files, no torch). Submodules load
-  lazily on first use of a public name: importing this package imports none of them.
+  ``Tracer``, ``trace``), ``capture`` (one op call's inputs saved, in the child), ``repro``
+  (``check --repro``: the standalone script, no torch), ``compare`` (reading and comparing trace
+  files, no torch). Submodules load lazily on first use of a public name: importing this package
+  imports none of them.
 """
 
 from __future__ import annotations

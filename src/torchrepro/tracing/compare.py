@@ -40,6 +40,11 @@ _RANDOM_OPS: Final = (
 )
 
 
+def draws_randomness(op: str) -> bool:
+    """Whether ``op`` (``aten.native_dropout.default``) draws from a random number generator, by name."""
+    return any(r in op for r in _RANDOM_OPS)
+
+
 # --------------------------------------------------------------------------------------------
 # Comparing traces
 # --------------------------------------------------------------------------------------------
@@ -193,7 +198,7 @@ def _divergence(ra: _Record, rb: _Record, rank: int | None) -> OpDivergence:
     if not differing:
         cause = (
             "it draws from a random number generator whose state differs between the runs"
-            if any(r in ra.op for r in _RANDOM_OPS)
+            if draws_randomness(ra.op)
             else "the op is nondeterministic here, or reads state the tracer cannot see"
         )
         note = f"every input is bitwise equal but {what} differs: {cause}."

@@ -32,7 +32,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
@@ -43,6 +43,9 @@ from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
 from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
 from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
+
+if TYPE_CHECKING:
+    from torchrepro.tracing.capture import CaptureRequest
 
 # Tokens that stand for values that are not data.
 _UNINIT: Final = "uninit"
@@ -196,13 +199,17 @@ class Tracer(_Observer):
     overwritten, are recorded as ``uninit`` and never compared as data; non-tensor arguments
     (Python scalars, dtypes, shapes) form one more input. The trace header names the digest
     algorithm, and :func:`compare_traces` refuses to compare traces digested differently.
+    ``capture`` (``check --repro``) also saves the inputs of the op at that index of the trace
+    (``tracing.capture``).
     """
 
     _what = "Tracer"
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, capture: CaptureRequest | None = None) -> None:
         super().__init__()
         self.path = Path(path)
+        self._capture = capture
+        """The op call whose inputs to save as well (``check --repro``; ``tracing.capture``)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -371,10 +378,13 @@ class Tracer(_Observer):
         if op.skip or self._pause_depth or self._forked or fingerprinting():
             return func(*args, **kwargs)
         info = op.info
+        snapshot: Any = None
         with self._lock:
             site = self._sites.attribute(sys._getframe(1), skip_loading=True)
             if site is not None:
                 inputs, reads_uninit = self._inputs(info, args, kwargs)
+                if self._capture is not None and self._capture.index == len(self._records):
+                    snapshot = self._snapshot(op.name, func, args, kwargs)
         if site is None:
             return self._loading_op(func, info, args, kwargs)
         module, location, backward = site
@@ -415,7 +425,32 @@ class Tracer(_Observer):
             )
             if not backward or torch.is_grad_enabled():
                 self._sites.remember(out, where)
+            if snapshot is not None:
+                self._write_capture(snapshot, len(self._records) - 1, inputs)
         return out
+
+    # -- capture (check --repro) ----------------------------------------------------------------
+    def _snapshot(self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The inputs of this call, copied before it runs (or why they cannot be): the op
+        ``_capture`` asks for, when it runs on the traced thread."""
+        from torchrepro.tracing.capture import Refused, snapshot_call
+
+        if threading.get_ident() != self._thread:
+            return "the op ran on another thread than the traced one"
+        try:
+            return snapshot_call(name, func, args, kwargs)
+        except Refused as exc:
+            return str(exc)
+
+    def _write_capture(self, snapshot: Any, index: int, inputs: list[str]) -> None:
+        from torchrepro.tracing.capture import write_capture
+
+        assert self._capture is not None
+        try:
+            write_capture(self._capture, snapshot, index=index, inputs=inputs)
+        except Exception as exc:  # best effort, like locating: never break the run
+            print(f"torchrepro: could not save the op's inputs: {exc}", file=sys.stderr)
+        self._capture = None
 
     def _loading_op(self, func: Any, info: _OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run an op of torch's data loading untraced: how many of these run, and when, depends on
