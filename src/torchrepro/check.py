@@ -270,6 +270,7 @@ def check_script(
     poll_interval: float = 0.05,
     steps_after_divergence: int = 0,
     repro: str | os.PathLike[str] | None = None,
+    repro_threads: bool = False,
 ) -> CheckResult:
     """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
 
@@ -288,7 +289,10 @@ def check_script(
     ``vary="threads"`` the check then says whether the script's results are independent of the
     thread count, and where they are not.
     ``repro``: a directory (new or empty) for a standalone script that reproduces the located op's
-    difference (``tracing.repro``); needs ``locate``.
+    difference (``tracing.repro``); needs ``locate``. ``repro_threads``: without ``repro``, under
+    ``vary="threads"``, write that script into the check's own directory (``repro/script/``) and
+    keep what it printed: the located op's result under both thread counts (``check --report``
+    shows it).
     Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
     invalid options; a failing script is a ``CheckResult`` with ``error`` set.
     """
@@ -351,6 +355,7 @@ def check_script(
             start_notes=portable_notes,
             linger=steps_after_divergence,
             repro_dir=repro_dir,
+            repro_threads=repro_threads and repro_dir is None and vary == "threads" and locate,
         )
     finally:
         if layers is not None:
@@ -398,6 +403,7 @@ def _check(
     start_notes: Sequence[str] = (),
     linger: int = 0,
     repro_dir: Path | None = None,
+    repro_threads: bool = False,
 ) -> CheckResult:
     """The check of ``check_script``: ``commands`` holds each run's command line."""
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
@@ -503,6 +509,8 @@ def _check(
     if first is not None and vary == "threads":
         notes.extend(_thread_notes(first.op, portable=base.portable))
     repro: Repro | None = None
+    if repro_dir is None and repro_threads and first is not None and first.op is not None:
+        repro_dir = check_dir / "repro" / "script"  # the op under both thread counts, for a report
     if repro_dir is not None:
         with terminate_on_signals():
             repro, repro_note = _repro(

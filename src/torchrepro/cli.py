@@ -436,6 +436,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         progress=progress,
         steps_after_divergence=REPORT_STEPS_AFTER if args.report is not None else 0,
         repro=args.repro,
+        repro_threads=args.report is not None,  # the report shows the op under both thread counts
     )
     if tty:
         print(file=sys.stderr)

@@ -394,6 +394,8 @@ def check_report_data(result: CheckResult) -> ReportData:
     threads = None
     if result.varied and "threads" in result.varied and result.first_divergence is not None:
         threads = _threads_section(result.varied, result.first_divergence, run_dirs)
+    if threads is not None and result.repro is not None:  # the op itself, called under both counts
+        threads.update(repro_script=result.repro.script, repro_output=result.repro.output)
     return ReportData(
         title=f"torchrepro check: {_shown_target(argv)}",
         status=_status(result.reproducible, error=result.error),
@@ -485,7 +487,8 @@ def _first_tensor(d: Divergence | None, run_dirs: Sequence[Path]) -> dict[str, A
 
 def _threads_section(varied: str, d: Divergence, run_dirs: Sequence[Path]) -> dict[str, Any]:
     """For ``--vary threads``: the op located, and what the step computed under both thread counts
-    (the first differing tensor's recorded values side by side)."""
+    (the first differing tensor's recorded values side by side); ``check_report_data`` adds what
+    the op itself gave under both (the standalone script's output) when the check wrote one."""
     section: dict[str, Any] = {"varied": varied, "op": d.op, "location": d.location, "module": d.module}
     found = _divergent_events(d, run_dirs)
     if found is None:
@@ -829,7 +832,14 @@ def _threads_html(t: dict[str, Any] | None) -> str:
             f"<p>What the step computed under both settings: {_e(what)}{sampled}.</p><table>"
             f"<tr><th>#</th><th>run {runs[0]}</th><th>run {runs[1]}</th><th>|a-b|</th></tr>{cells}</table>"
         )
-    return f'<section id="threads"><h2>Thread count</h2><table>{body}</table>{result}</section>'
+    op_result = ""
+    if t.get("repro_output"):
+        op_result = (
+            f"<p>The op itself, called on its saved inputs under both thread counts (the standalone "
+            f"script <code>{_e(t.get('repro_script'))}</code>, run in a fresh process):</p>"
+            f'<pre id="op-result">{_e(t["repro_output"].strip())}</pre>'
+        )
+    return f'<section id="threads"><h2>Thread count</h2><table>{body}</table>{op_result}{result}</section>'
 
 
 def _environment_section(data: ReportData) -> str:

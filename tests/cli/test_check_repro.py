@@ -28,6 +28,7 @@ def test_a_thread_dependent_sum_is_written_as_a_script_that_reproduces_it(tmp_pa
     assert verdict["first_divergence"]["op"] == "aten.sum.default"
     repro = verdict["repro"]
     out = tmp_path / "bug"
+    assert "the difference reproduces" in repro.pop("output")  # the script's output, as the check ran it
     assert repro == {
         "directory": str(out),
         "script": str(out / "repro.py"),
@@ -50,6 +51,24 @@ def test_a_thread_dependent_sum_is_written_as_a_script_that_reproduces_it(tmp_pa
     assert "call 3 (2 threads) vs call 1 (1): output 0: 1 of 1 elements differ" in proc.stdout
     assert "the difference reproduces" in proc.stdout
     assert "import torchrepro" not in (out / "repro.py").read_text()
+
+
+def test_the_report_of_a_thread_count_check_shows_the_op_under_both_counts(tmp_path: Path) -> None:
+    code, verdict, err = check_json(
+        tmp_path, "--vary", "threads", "--report", "out.html", str(SCRIPTS / "threads_sum.py")
+    )
+    assert code == 1, err
+    # without --repro the script goes into the check's own directory: the user's files stay as they were
+    repro = verdict["repro"]
+    assert repro["reproduces"] is True and ".torchrepro/checks/" in repro["script"]
+    assert repro["script"].endswith(os.path.join("repro", "script", "repro.py"))
+    assert sorted(os.listdir(tmp_path)) == [".torchrepro", "out.html"]
+    page = (tmp_path / "out.html").read_text()
+    section = page[page.index('<section id="threads">') :]
+    section = section[: section.index("</section>")]
+    assert "aten.sum.default" in section and "1 vs 2 threads" in section
+    assert '<pre id="op-result">' in section and "call 3 (2 threads) vs call 1 (1): output 0:" in section
+    assert "the difference reproduces" in section
 
 
 @pytest.mark.parametrize("bad", ["not empty", "a file", "--no-locate"])

@@ -79,6 +79,8 @@ class Repro:
     op: str
     calls: tuple[int, ...]
     reproduces: bool | None
+    output: str = ""
+    """What the script printed when the check ran it (the op's outputs compared call by call)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``repro`` object of the ``check --json`` verdict."""
@@ -199,7 +201,7 @@ def write_repro(
                 f.write(text)
     except (OSError, SettingsError) as exc:
         return f"writing into {directory} failed: {exc}"
-    code = run_script(directory)[0] if run else None
+    code, output = run_script(directory) if run else (None, "")
     return Repro(
         directory=os.fspath(directory),
         script=os.fspath(directory / SCRIPT_FILE),
@@ -207,7 +209,11 @@ def write_repro(
         op=chosen.op.op,
         calls=calls,
         reproduces=None if code not in (0, 1) else code == 1,
+        output=output[-_OUTPUT_KEPT:],
     )
+
+
+_OUTPUT_KEPT = 4000  # characters of the script's output kept in the verdict (its end)
 
 
 def run_script(directory: Path, *, timeout: float = RUN_TIMEOUT) -> tuple[int | None, str]:
