@@ -7,7 +7,7 @@ PYTEST_ARGS ?= -n 2 --dist loadfile
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo test quick coverage test-floor lint typecheck unit bench clean
+.PHONY: install demo test quick coverage test-floor lint typecheck unit bench docs clean
 
 install: $(STAMP) $(CHROMIUM)
 
@@ -59,7 +59,7 @@ coverage: $(STAMP)
 # constraints-dev.txt (torch 2.5 is built against NumPy 2 and runs with it).
 FLOOR_TORCHES ?= 2.5.1 2.14.1
 FLOOR_PYTEST_ARGS ?= -n 2 --dist loadfile
-UNIT_TIER := tests src/torchrepro --ignore=tests/e2e --ignore=tests/cli --ignore=tests/integrations
+UNIT_TIER := tests src/torchrepro --ignore=tests/e2e --ignore=tests/cli --ignore=tests/integrations --ignore=tests/docs
 FLOOR_PINS = $$(grep -E '^(numpy|xxhash|pytest|pytest-xdist|pytest-timeout|hypothesis)==' constraints-dev.txt)
 
 .venv-torch%/.installed-stamp: pyproject.toml constraints-dev.txt
@@ -75,8 +75,13 @@ test-floor: $(foreach v,$(FLOOR_TORCHES),.venv-torch$(v)/.installed-stamp)
 		.venv-torch$$v/bin/pytest $(FLOOR_PYTEST_ARGS) $(UNIT_TIER) || status=1; \
 	done; exit $$status
 
+# The documentation site, into site/ (a broken link or nav entry fails the build); make test
+# builds it again and runs every code block of docs/ (tests/docs/).
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	for f in benchmarks/*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .venv-torch* .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-torch* site .pytest_cache .mypy_cache .ruff_cache .hypothesis

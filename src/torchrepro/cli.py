@@ -318,7 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("a", help="environment JSON file or run-record directory")
     d.add_argument("b", help="environment JSON file or run-record directory")
     d.add_argument("--json", action="store_true", dest="diff_json", help="print one JSON object")
+
+    p = sub.add_parser(
+        "completion",
+        help="print a shell completion script (needs shtab: pip install torchrepro[completion])",
+        description="Print the completion script for SHELL on stdout; load it from the shell's "
+        "start-up file, e.g. `torchrepro completion bash > ~/.torchrepro.bash` and `source` it in "
+        "~/.bashrc.",
+    )
+    p.add_argument("shell", choices=COMPLETION_SHELLS, help="the shell to complete in")
     return parser
+
+
+COMPLETION_SHELLS = ("bash", "zsh", "tcsh")
 
 
 _TARGET_COMMANDS = ("run", "check", "audit")
@@ -666,6 +678,36 @@ def _render_env_diff(a: str, b: str, differences: Sequence[EnvDifference]) -> st
     return "\n".join(lines)
 
 
+def _cmd_completion(args: argparse.Namespace) -> int:
+    """The completion script shtab writes from this parser (shtab is imported only here)."""
+    try:
+        import shtab
+    except ImportError:
+        print(
+            "torchrepro completion: error: shell completion needs the shtab package; install it "
+            "with `pip install torchrepro[completion]`",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    parser = build_parser()
+    for action in _all_actions(parser):  # scripts and record directories complete as paths
+        if action.dest in ("script", "run_a", "run_b", "a", "b", "record", "root"):
+            action.complete = shtab.FILE  # type: ignore[attr-defined]
+    print(shtab.complete(parser, shell=args.shell), end="")
+    return EXIT_OK
+
+
+def _all_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every action of ``parser`` and of its subparsers, at any depth."""
+    found: list[argparse.Action] = []
+    for action in parser._actions:
+        found.append(action)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += _all_actions(child)
+    return found
+
+
 _COMMANDS = {
     "run": _cmd_run,
     "check": _cmd_check,
@@ -674,6 +716,7 @@ _COMMANDS = {
     "env": _cmd_env,
     "status": _cmd_status,
     "clean": _cmd_clean,
+    "completion": _cmd_completion,
 }
 
 
