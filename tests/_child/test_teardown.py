@@ -71,3 +71,42 @@ def test_rank_0_ends_its_group_only_once_rank_1_has_arrived(tmp_path: Path, how:
 def test_stock_destroy_does_not_wait(tmp_path: Path) -> None:
     ended = _world(tmp_path, "stock")  # negative control
     assert ended[0]["waited"] < 1.0
+
+
+ENDING = """
+import atexit, os, threading, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+model(torch.ones(2, 3)).sum().backward()  # the reducer holds the group until finalization
+atexit.register(lambda: open(f"atexit.{rank}", "w").write("ran"))
+left_open = open(f"open.{rank}", "w")
+left_open.write("flushed")  # buffered, never closed by the script
+def late():
+    time.sleep(0.5)
+    open(f"thread.{rank}", "w").write("joined")
+threading.Thread(target=late).start()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_that_ended_a_world_exits_as_a_normal_exit_would_for_the_script(tmp_path: Path) -> None:
+    """After the world ended, the process skips only the interpreter's finalization (where gloo can
+    abort): its threads are joined, its atexit functions run, the files it left open are flushed."""
+    (tmp_path / "ending.py").write_text(ENDING, encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrepro", "run", "--nproc", "2", "ending.py"],
+        cwd=tmp_path,
+        env=user_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"atexit.{rank}").read_text() == "ran"
+        assert (tmp_path / f"open.{rank}").read_text() == "flushed"
+        assert (tmp_path / f"thread.{rank}").read_text() == "joined"

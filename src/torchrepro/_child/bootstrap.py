@@ -24,6 +24,7 @@ import traceback
 import types
 from typing import Any
 
+from torchrepro._child import teardown
 from torchrepro._child.session import MaxStepsReached, configure
 from torchrepro._child.spec import ChildSpec
 
@@ -137,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    if code == 0 and teardown.ended_a_world():
+        teardown.end_process(0)  # no interpreter finalization for gloo to abort in (``teardown``)
+    return int(code)
 
 
 if __name__ == "__main__":
