@@ -80,24 +80,20 @@ def describe_check(result: CheckResult) -> list[str]:
     were isolated."""
     if result.error is not None:
         raise ValueError("describe_check describes a verdict; this check failed to run (see .error)")
-    lines = []
     steps = describe_steps(result.steps_compared, result.optimizer_steps)
     varied = f"; varied: {result.varied}" if result.varied else ""
+    with_varied = f" with {result.varied}" if result.varied else ""
+    lines = _headline(
+        None if result.inconclusive else result.reproducible,
+        result.reason,
+        result.first_divergence,
+        negative="NOT reproducible",
+        compared=f"{steps} compared{varied}",
+        who=f"{result.runs} runs",
+        identical=f"reproducible: {result.runs} runs identical over {steps}{with_varied}",
+    )
     d = result.first_divergence
-    if result.inconclusive:
-        lines.append(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
-        lines.append(f"  ({result.runs} runs did not differ; {steps} compared{varied})")
-    elif result.reproducible:
-        with_varied = f" with {result.varied}" if result.varied else ""
-        lines.append(f"reproducible: {result.runs} runs identical over {steps}{with_varied}")
-    elif d is not None and d.final_state and result.reason:
-        lines.append(f"NOT reproducible: {result.reason}")
-        lines.append(f"  {describe_final_state(d)} ({steps} compared{varied})")
-    else:
-        assert d is not None
-        lines.append(f"NOT reproducible: first divergence: {describe_divergence(d)}")
-        if result.reason:  # across world sizes: why the runs part, and the fix
-            lines.append(f"  {result.reason}")
+    if result.reproducible is False and not (d is not None and d.final_state and result.reason):
         lines.append(f"  ({steps} compared{varied})")
     if result.coverage is not None:
         lines.append(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
@@ -114,22 +110,17 @@ def describe_comparison(result: Comparison) -> list[str]:
     """The verdict of ``compare`` as ``torchrepro compare`` prints it: the headline, the notes, the
     first differing tensor and, last when there is one, what was compared (the command line prints
     the environment differences before that last line)."""
-    lines = []
     steps = describe_steps(result.steps_compared, result.optimizer_steps)
+    lines = _headline(
+        result.reproducible,
+        result.reason,
+        result.first_divergence,
+        negative="NOT identical",
+        compared=f"{steps} compared",
+        who="the runs",
+        identical=f"identical: {steps} compared",
+    )
     d = result.first_divergence
-    if result.reproducible is None:
-        lines.append(f"INCONCLUSIVE: {result.reason or 'not enough was compared to say so'}")
-        lines.append(f"  (the runs did not differ; {steps} compared)")
-    elif result.reproducible:
-        lines.append(f"identical: {steps} compared")
-    elif d is not None and d.final_state and result.reason:
-        lines.append(f"NOT identical: {result.reason}")
-        lines.append(f"  {describe_final_state(d)} ({steps} compared)")
-    else:
-        assert d is not None
-        lines.append(f"NOT identical: first divergence: {describe_divergence(d)}")
-        if result.reason:  # runs on different numbers of processes: why they part
-            lines.append(f"  {result.reason}")
     lines.extend(f"  {note}" for note in result.notes)
     if not result.reproducible and result.tensor is not None:
         t = result.tensor
@@ -138,4 +129,33 @@ def describe_comparison(result: Comparison) -> list[str]:
         lines.append(f"  first differing tensor: {label} {t.dtype}{t.shape}, largest |a-b|: {diff}")
     if result.coverage is not None:
         lines.append(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
+    return lines
+
+
+def _headline(
+    reproducible: bool | None,
+    reason: str | None,
+    d: Divergence | None,
+    *,
+    negative: str,
+    compared: str,
+    who: str,
+    identical: str,
+) -> list[str]:
+    """The first lines of a verdict (``check``'s and ``compare``'s differ only in their words):
+    inconclusive (``reproducible`` None) with its reason, ``identical``, a difference only in the
+    state at exit, or the first divergence (and, across world sizes, why the runs part)."""
+    if reproducible is None:
+        return [
+            f"INCONCLUSIVE: {reason or 'not enough was compared to say so'}",
+            f"  ({who} did not differ; {compared})",
+        ]
+    if reproducible:
+        return [identical]
+    assert d is not None
+    if d.final_state and reason:
+        return [f"{negative}: {reason}", f"  {describe_final_state(d)} ({compared})"]
+    lines = [f"{negative}: first divergence: {describe_divergence(d)}"]
+    if reason:  # across world sizes: why the runs part, and the fix
+        lines.append(f"  {reason}")
     return lines
