@@ -74,31 +74,47 @@ def test_stock_destroy_does_not_wait(tmp_path: Path) -> None:
 
 
 ENDING = """
-import atexit, os, threading, time
+import atexit, os, sys, threading, time
 import torch
 import torch.distributed as dist
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-model(torch.ones(2, 3)).sum().backward()  # the reducer holds the group until finalization
-atexit.register(lambda: open(f"atexit.{rank}", "w").write("ran"))
-left_open = open(f"open.{rank}", "w")
-left_open.write("flushed")  # buffered, never closed by the script
-def late():
+def main(rank=None, port=None):
+  if rank is None:
+    dist.init_process_group("gloo")
+  else:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+  rank = dist.get_rank()
+  model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
+  model(torch.ones(2, 3)).sum().backward()  # the reducer holds the group until finalization
+  atexit.register(lambda: open(f"atexit.{rank}", "w").write("ran"))
+  global left_open
+  left_open = open(f"open.{rank}", "w")
+  left_open.write("flushed")  # buffered, never closed by the script
+  def late():
     time.sleep(0.5)
     open(f"thread.{rank}", "w").write("joined")
-threading.Thread(target=late).start()
-dist.destroy_process_group()
+  threading.Thread(target=late).start()
+  dist.destroy_process_group()
+if __name__ == "__main__":
+  if "--spawn" in sys.argv:
+    import torch.multiprocessing as mp
+    mp.spawn(main, args=(int(sys.argv[2]),), nprocs=2)
+  else:
+    main()
 """
 
 
 @pytest.mark.slow
-def test_a_rank_that_ended_a_world_exits_as_a_normal_exit_would_for_the_script(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", ["torchrun", "mp.spawn"])
+def test_a_rank_that_ended_a_world_exits_as_a_normal_exit_would_for_the_script(
+    tmp_path: Path, ranks: str
+) -> None:
     """After the world ended, the process skips only the interpreter's finalization (where gloo can
-    abort): its threads are joined, its atexit functions run, the files it left open are flushed."""
+    abort): its threads are joined, its atexit functions run, the files it left open are flushed;
+    for ranks torchrepro starts (``--nproc``) and ranks the script spawns itself alike."""
     (tmp_path / "ending.py").write_text(ENDING, encoding="utf-8")
+    how = ["--nproc", "2", "ending.py"] if ranks == "torchrun" else ["ending.py", "--spawn", str(free_port())]
     proc = subprocess.run(
-        [sys.executable, "-m", "torchrepro", "run", "--nproc", "2", "ending.py"],
+        [sys.executable, "-m", "torchrepro", "run", *how],
         cwd=tmp_path,
         env=user_env(),
         capture_output=True,

@@ -24,7 +24,8 @@ Invariants:
   several ranks cleanly ends with ``end_process``: everything a normal exit does for the script
   (its non-daemon threads joined, its ``atexit`` functions run, files it left open flushed, the
   standard streams flushed), then ``os._exit`` with its exit code, skipping only the destruction of
-  the C++ objects where the abort happens.
+  the C++ objects where the abort happens: the ranks the bootstrap runs (``bootstrap.main``) and
+  the ``multiprocessing`` ranks a script spawns itself (``children``, once their target returned).
 """
 
 from __future__ import annotations
