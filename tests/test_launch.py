@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -192,3 +193,28 @@ def test_cublas_start_value_replaces_what_pytorch_refuses(current: str | None, e
 
     assert cublas_start_value("strict", current) == cublas_start_value("warn", current) == expected
     assert cublas_start_value("off", current) is None
+
+
+def test_a_signal_while_a_process_starts_is_delivered_once_its_handle_is_held(tmp_path: Path) -> None:
+    """SIGTERM (or Ctrl-C) that lands inside ``subprocess.Popen`` would raise before the caller
+    holds the child, and nothing could end it: under ``signals_held`` it is delivered after."""
+    import threading
+
+    from torchrepro.launch import Terminated, signals_held, terminate_on_signals
+
+    assert threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    started: list[subprocess.Popen[bytes]] = []
+    with pytest.raises(Terminated), terminate_on_signals(), signals_held():
+        os.kill(os.getpid(), signal.SIGTERM)  # as if it came during the start
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    (child,) = started  # the handle was kept: the caller can end the child
+    child.kill()
+    child.wait()
+    # the handlers in place before are back, and nothing is held afterwards
+    with pytest.raises(KeyboardInterrupt), signals_held():
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(Terminated), terminate_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # delivered at once, not held
+            time.sleep(0.01)

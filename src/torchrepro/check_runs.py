@@ -30,7 +30,7 @@ from torchrepro.compare import Divergence, RankCursor, world_cursor
 from torchrepro.errors import ReproError
 from torchrepro.events import in_order, is_step
 from torchrepro.isolation import Layers
-from torchrepro.launch import kill_tree, spawn
+from torchrepro.launch import kill_tree, signals_held, spawn
 from torchrepro.runrecord import EventTail
 
 __all__ = [
@@ -74,15 +74,16 @@ class Run:
         self.record_dir.mkdir(parents=True, exist_ok=True)
         self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
         self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
-        self.proc = spawn(
-            self.command,
-            env=self.env,
-            new_session=True,
-            stdin=subprocess.DEVNULL,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            overlay=self.overlay,
-        )
+        with signals_held():  # a SIGTERM or Ctrl-C comes once self.proc is set, so stop() ends it
+            self.proc = spawn(
+                self.command,
+                env=self.env,
+                new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=self.stdout,
+                stderr=self.stderr,
+                overlay=self.overlay,
+            )
 
     def __post_init__(self) -> None:
         self.tails = [EventTail(runrecord.events_path(self.record_dir, r)) for r in range(self.ranks)]

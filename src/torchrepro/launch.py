@@ -269,6 +269,36 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP while the block runs, then deliver the first that came (to the
+    handler in place before the block).
+
+    For starting a process and keeping its handle (``proc = spawn(...)``): a signal whose handler
+    raises (``terminate_on_signals``, Ctrl-C) could otherwise interrupt ``subprocess.Popen`` after
+    the child exists but before the caller holds it, and nothing would end that child.
+    """
+    pending: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        pending.append(signum)
+
+    previous: dict[int, Any] = {}
+    for sig in _HELD:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to hold
+            previous[sig] = signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        for held, old in previous.items():
+            signal.signal(held, signal.SIG_DFL if old is None else old)
+        if pending:
+            signal.raise_signal(pending[0])
+
+
 @contextlib.contextmanager
 def terminate_on_signals() -> Iterator[None]:
     """Turn SIGTERM (and SIGHUP) into ``KeyboardInterrupt`` so ``finally`` blocks clean up."""
@@ -338,11 +368,15 @@ def launch(
         )
         # torchrun and its ranks get a session of their own: a Ctrl-C reaches only this process,
         # which ends them all quietly (otherwise every rank and the agent print tracebacks).
-        proc = spawn(command, env=env, new_session=nproc is not None)
+        proc: subprocess.Popen[bytes] | None = None
         try:
+            with signals_held():  # a Ctrl-C while it starts comes once proc is known: the tree ends
+                proc = spawn(command, env=env, new_session=nproc is not None)
             with terminate_on_signals():
                 returncode = proc.wait()
         except KeyboardInterrupt:
+            if proc is None:
+                raise
             if nproc is None:  # the script got the Ctrl-C too: let it print its traceback and exit
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5.0)
