@@ -35,12 +35,22 @@ from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
 from torchrepro._io import atomic_write_bytes
+from torchrepro.compare import (
+    env_difference_dict,
+    environment_differences,
+    leaf_difference,
+    recorded_numbers,
+    setting_differences,
+    tensor_difference,
+)
 from torchrepro.errors import ReproError, SettingsError
 from torchrepro.events import FINAL_KEY, describe_name, is_step, world_invariant
+from torchrepro.runrecord import RunRecord
+from torchrepro.verdict import describe_check, describe_comparison, describe_divergence, describe_final_state
 
 if TYPE_CHECKING:
     from torchrepro.check import CheckResult
-    from torchrepro.compare import Comparison, Divergence
+    from torchrepro.compare import Comparison, Divergence, TensorDifference
 
 __all__ = [
     "GENERATOR",
@@ -99,12 +109,6 @@ class Series:
     truncated: bool = False
 
 
-def _values(leaf: dict[str, Any], key: str) -> list[float] | None:
-    from torchrepro.compare import recorded_numbers
-
-    return recorded_numbers(leaf.get(key))
-
-
 class _Bucket:
     def __init__(self) -> None:
         self.tensors = 0
@@ -115,22 +119,18 @@ class _Bucket:
         self.first: str | None = None
 
     def add(self, a: dict[str, Any], b: dict[str, Any]) -> None:
-        from torchrepro.compare import leaf_difference
-
         ta, tb = a.get("t") or [], b.get("t") or []
         self.tensors += max(len(ta), len(tb))
         if len(ta) != len(tb):
             self.differing += abs(len(ta) - len(tb))
             self.exact = False
-        for la, lb in zip(ta, tb, strict=False):
+        for i, (la, lb) in enumerate(zip(ta, tb, strict=False)):
             if la.get("fp") == lb.get("fp"):
                 continue
             self.differing += 1
             if self.first is None:
                 name = la.get("n")
-                self.first = (
-                    describe_name(name, a["kind"]) if isinstance(name, str) else f"tensor #{ta.index(la)}"
-                )
+                self.first = describe_name(name, a["kind"]) if isinstance(name, str) else f"tensor #{i}"
             largest, nonfinite, sampled = leaf_difference(la, lb)
             self.exact = self.exact and largest is not None and not sampled
             self.nonfinite = self.nonfinite or nonfinite
@@ -215,7 +215,11 @@ def distance_series(
     Runs recorded on different numbers of processes are compared as ``compare`` does, in what does
     not depend on the split: rank 0 of each, in ``events.world_invariant`` events only.
     """
-    a, b = runrecord.load_run(run_a), runrecord.load_run(run_b)
+    return _series(runrecord.load_run(run_a), runrecord.load_run(run_b), label=label)
+
+
+def _series(a: RunRecord, b: RunRecord, *, label: str) -> Series:
+    """``distance_series`` of two loaded records."""
     ranks_a, ranks_b = sorted(a.events), sorted(b.events)
     invariant_only = ranks_a != ranks_b
     pairs = [(0, 0)] if invariant_only else [(r, r) for r in ranks_a]
@@ -345,14 +349,8 @@ def _user_command(argv: tuple[str, ...]) -> tuple[str, ...]:
     return argv
 
 
-def _differences(run_a: str, run_b: str) -> tuple[tuple[str, ...], tuple[dict[str, Any], ...]]:
+def _differences(a: RunRecord, b: RunRecord) -> tuple[tuple[str, ...], tuple[dict[str, Any], ...]]:
     """How two records were started differently (in words) and their environment differences."""
-    from torchrepro.compare import env_difference_dict, environment_differences, setting_differences
-
-    try:
-        a, b = runrecord.load_run(run_a), runrecord.load_run(run_b)
-    except ReproError:
-        return (), ()
     envs, _ = environment_differences(a, b)
     started = setting_differences(a, b)
     return tuple(d.describe() for d in started), tuple(env_difference_dict(d, started) for d in envs)
@@ -363,37 +361,43 @@ def _divergence_fields(
 ) -> tuple[dict[str, Any] | None, str | None, Any]:
     if d is None:
         return None, None, None
-    from torchrepro.verdict import describe_divergence, describe_final_state
-
     text = describe_final_state(d) if d.final_state else describe_divergence(d)
     return {**d.to_dict(), "what": d.what()}, text, source_excerpt(d.location, cwd)
 
 
 def check_report_data(result: CheckResult) -> ReportData:
     """What the report of a check shows."""
-    from torchrepro.verdict import describe_check
-
     check_dir = Path(result.check_dir)
     run_dirs = [check_dir / f"run{i}" for i in range(result.runs)]
-    argv, cwd = _command(run_dirs[0])
-    series: list[Series] = []
-    for i, run in enumerate(run_dirs[1:], start=1):
+    records: list[RunRecord | None] = []
+    for run in run_dirs:
         try:
-            series.append(distance_series(run_dirs[0], run, label=f"run {i + 1} vs run 1"))
-        except ReproError:
-            continue  # a run that wrote no events (it failed to start): the verdict says why
+            records.append(runrecord.load_run(run))
+        except ReproError:  # a run that wrote no events (it failed to start): the verdict says why
+            records.append(None)
+    first = records[0]
+    argv, cwd = _command(run_dirs[0])
+    series = [
+        _series(first, record, label=f"run {i + 1} vs run 1")
+        for i, record in enumerate(records[1:], start=1)
+        if first is not None and record is not None
+    ]
     settings: tuple[str, ...] = ()
     environment: tuple[dict[str, Any], ...] = ()
-    if len(run_dirs) > 1:
-        settings, environment = _differences(os.fspath(run_dirs[0]), os.fspath(run_dirs[1]))
+    if first is not None and len(records) > 1 and records[1] is not None:
+        settings, environment = _differences(first, records[1])
     commands = tuple(c for c in (_command(r)[0] for r in run_dirs) if c)
     divergence, text, source = _divergence_fields(result.first_divergence, cwd)
     headline = (
         tuple(describe_check(result)) if result.error is None else (f"the script failed: {result.error}",)
     )
+    d = result.first_divergence
+    found = None if d is None else _divergent_events(d, records)
+    differing = None if found is None else tensor_difference(found[0], found[1])
+    tensor = None if d is None or d.unmatched else differing
     threads = None
-    if result.varied and "threads" in result.varied and result.first_divergence is not None:
-        threads = _threads_section(result.varied, result.first_divergence, run_dirs)
+    if result.varied and "threads" in result.varied and d is not None:
+        threads = _threads_section(result.varied, d, found, differing)
     if threads is not None and result.repro is not None:  # the op itself, called under both counts
         threads.update(repro_script=result.repro.script, repro_output=result.repro.output)
     return ReportData(
@@ -403,7 +407,7 @@ def check_report_data(result: CheckResult) -> ReportData:
         command=argv,
         divergence=divergence,
         divergence_text=text,
-        tensor=_first_tensor(result.first_divergence, run_dirs),
+        tensor=None if tensor is None else tensor.to_dict(),
         source=source,
         series=tuple(series),
         settings=settings,
@@ -422,9 +426,6 @@ def compare_report_data(
     result: Comparison, run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]
 ) -> ReportData:
     """What the report of ``compare RUN_A RUN_B`` shows."""
-    from torchrepro.compare import env_difference_dict
-    from torchrepro.verdict import describe_comparison
-
     argv, cwd = _command(run_a)
     series = (distance_series(run_a, run_b, label="run B vs run A"),)
     divergence, text, source = _divergence_fields(result.first_divergence, cwd)
@@ -455,56 +456,39 @@ def _shown_target(argv: Sequence[str]) -> str:
 
 
 def _divergent_events(
-    d: Divergence, run_dirs: Sequence[Path]
+    d: Divergence, records: Sequence[RunRecord | None]
 ) -> tuple[dict[str, Any], dict[str, Any], int] | None:
     """The first run's and a later run's events where ``d`` is, and the later run's index."""
-    try:
-        a = runrecord.read_events(runrecord.events_path(run_dirs[0], d.rank))
-    except ReproError:
+    if records[0] is None:
         return None
-    for i, run in enumerate(run_dirs[1:], start=1):
-        try:
-            b = runrecord.read_events(runrecord.events_path(run, d.rank))
-        except ReproError:
-            continue
+    a = records[0].events.get(d.rank, [])
+    for i, record in enumerate(records[1:], start=1):
+        b = [] if record is None else record.events.get(d.rank, [])
         if d.index < len(a) and d.index < len(b) and a[d.index]["fp"] != b[d.index]["fp"]:
             return a[d.index], b[d.index], i
     return None
 
 
-def _first_tensor(d: Divergence | None, run_dirs: Sequence[Path]) -> dict[str, Any] | None:
-    """The first differing tensor at the divergence, with its largest difference, like compare's."""
-    if d is None or d.unmatched:
-        return None
-    found = _divergent_events(d, run_dirs)
-    if found is None:
-        return None
-    from torchrepro.compare import tensor_difference
-
-    diff = tensor_difference(found[0], found[1])
-    return None if diff is None else diff.to_dict()
-
-
-def _threads_section(varied: str, d: Divergence, run_dirs: Sequence[Path]) -> dict[str, Any]:
+def _threads_section(
+    varied: str,
+    d: Divergence,
+    found: tuple[dict[str, Any], dict[str, Any], int] | None,
+    tensor: TensorDifference | None,
+) -> dict[str, Any]:
     """For ``--vary threads``: the op located, and what the step computed under both thread counts
     (the first differing tensor's recorded values side by side); ``check_report_data`` adds what
     the op itself gave under both (the standalone script's output) when the check wrote one."""
     section: dict[str, Any] = {"varied": varied, "op": d.op, "location": d.location, "module": d.module}
-    found = _divergent_events(d, run_dirs)
-    if found is None:
+    if found is None or tensor is None:
         return section
     a, b, later = found
-    for la, lb in zip(a.get("t") or [], b.get("t") or [], strict=False):
-        if la.get("fp") == lb.get("fp"):
-            continue
-        name = la.get("n")
-        key = "v" if _values(la, "v") is not None else "s"
-        section["tensor"] = describe_name(name, a["kind"]) if isinstance(name, str) else None
-        section["shape"], section["dtype"] = la.get("shape"), la.get("dtype")
-        section["sampled"] = key == "s"
-        section["values"] = [_values(la, key), _values(lb, key)]
-        section["runs"] = [1, later + 1]
-        break
+    la, lb = a["t"][tensor.leaf], b["t"][tensor.leaf]
+    key = "v" if recorded_numbers(la.get("v")) is not None else "s"
+    section["tensor"] = describe_name(tensor.name, a["kind"]) if tensor.name else None
+    section["shape"], section["dtype"] = tensor.shape, tensor.dtype
+    section["sampled"] = key == "s"
+    section["values"] = [recorded_numbers(la.get(key)), recorded_numbers(lb.get(key))]
+    section["runs"] = [1, later + 1]
     return section
 
 
