@@ -509,7 +509,7 @@ def _check(
     if first is not None and vary == "threads":
         notes.extend(_thread_notes(first.op, portable=base.portable))
     repro: Repro | None = None
-    if repro_dir is None and repro_threads and first is not None and first.op is not None:
+    if repro_threads and first is not None and first.op is not None:  # check_script: no repro_dir
         repro_dir = check_dir / "repro" / "script"  # the op under both thread counts, for a report
     if repro_dir is not None:
         with terminate_on_signals():

@@ -28,7 +28,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,7 +269,19 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
-_HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+@contextlib.contextmanager
+def _handling(signals: Sequence[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``signals`` while the block runs, then the handlers in place before (only
+    the main thread can set handlers: elsewhere nothing changes)."""
+    previous: dict[int, Any] = {}
+    for sig in signals:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, signal.SIG_DFL if old is None else old)  # None: set outside Python
 
 
 @contextlib.contextmanager
@@ -282,19 +294,12 @@ def signals_held() -> Iterator[None]:
     the child exists but before the caller holds it, and nothing would end that child.
     """
     pending: list[int] = []
-
-    def hold(signum: int, frame: Any) -> None:
-        pending.append(signum)
-
-    previous: dict[int, Any] = {}
-    for sig in _HELD:
-        with contextlib.suppress(ValueError, OSError):  # not the main thread: nothing to hold
-            previous[sig] = signal.signal(sig, hold)
     try:
-        yield
+        with _handling(
+            (signal.SIGINT, signal.SIGTERM, signal.SIGHUP), lambda signum, _: pending.append(signum)
+        ):
+            yield
     finally:
-        for held, old in previous.items():
-            signal.signal(held, signal.SIG_DFL if old is None else old)
         if pending:
             signal.raise_signal(pending[0])
 
@@ -306,15 +311,8 @@ def terminate_on_signals() -> Iterator[None]:
     def handler(signum: int, frame: Any) -> None:
         raise Terminated(signum)
 
-    previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        with contextlib.suppress(ValueError, OSError):  # not the main thread
-            previous[sig] = signal.signal(sig, handler)
-    try:
+    with _handling((signal.SIGTERM, signal.SIGHUP), handler):
         yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def launch(

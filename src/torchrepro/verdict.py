@@ -91,10 +91,8 @@ def describe_check(result: CheckResult) -> list[str]:
         compared=f"{steps} compared{varied}",
         who=f"{result.runs} runs",
         identical=f"reproducible: {result.runs} runs identical over {steps}{with_varied}",
+        compared_after=True,
     )
-    d = result.first_divergence
-    if result.reproducible is False and not (d is not None and d.final_state and result.reason):
-        lines.append(f"  ({steps} compared{varied})")
     if result.coverage is not None:
         lines.append(f"  {result.coverage.describe(uncovered=result.reproducible is not False)}")
     if result.portable is not None:
@@ -141,10 +139,12 @@ def _headline(
     compared: str,
     who: str,
     identical: str,
+    compared_after: bool = False,
 ) -> list[str]:
     """The first lines of a verdict (``check``'s and ``compare``'s differ only in their words):
     inconclusive (``reproducible`` None) with its reason, ``identical``, a difference only in the
-    state at exit, or the first divergence (and, across world sizes, why the runs part)."""
+    state at exit, or the first divergence (and, across world sizes, why the runs part; with
+    ``compared_after``, then what was compared)."""
     if reproducible is None:
         return [
             f"INCONCLUSIVE: {reason or 'not enough was compared to say so'}",
@@ -158,4 +158,6 @@ def _headline(
     lines = [f"{negative}: first divergence: {describe_divergence(d)}"]
     if reason:  # across world sizes: why the runs part, and the fix
         lines.append(f"  {reason}")
+    if compared_after:
+        lines.append(f"  ({compared})")
     return lines
