@@ -124,7 +124,7 @@ def child(kind: str, rounds: int, steps: int) -> None:
         )
     dist.barrier()
     sys.stdout.flush()
-    os._exit(0)  # gloo's teardown may abort a rank whose peers left first; the figures are printed
+    os._exit(0)  # plain torchrun: torch's gloo worker may abort a rank at exit (pytorch#190489); printed
 
 
 def main() -> None:

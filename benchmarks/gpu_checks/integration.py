@@ -698,7 +698,7 @@ if dist.is_initialized():
 if not dist.is_initialized() or dist.get_rank() == 0:
     print(json.dumps({"fingerprints": out, "device": str(next(net.parameters()).device)}))
 sys.stdout.flush()
-os._exit(0)  # gloo's teardown may abort a rank whose peers left first; the result is printed
+os._exit(0)  # plain torchrun: torch's gloo worker may abort a rank at exit (pytorch#190489); printed
 """
 
 

@@ -1,49 +1,54 @@
-"""``_child.teardown``: the ranks of a run end their gloo process group together.
+"""``_child.teardown``: a process reaches the interpreter's exit only once its gloo workers are idle.
 
-Two real processes in a gloo world: rank 1 reaches the end 1.5 s after rank 0. With the teardown
-installed, rank 0's ``destroy_process_group()`` (or ``finish()``, for a group the script left
-alive) returns only once rank 1 has arrived; stock, it returns at once (the negative control):
-that early teardown is what let gloo abort a rank whose last collective was still in flight.
+Two real processes in a gloo world. Rank 0 starts an ``all_reduce`` that rank 1 joins 1.5 s later:
+meanwhile rank 0's gloo worker is busy (the negative control: ``quiesce`` with a short timeout gives
+up and says so), and ``quiesce`` returns only once the worker has finished the collective and let go
+of its work. The end-to-end cases (the abort at exit, files left open) are in ``tests/e2e/test_exit.py``.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from helpers import free_port, user_env
+from torchrepro._child import teardown
 
 WORKER = """
-import json, os, sys, time
+import json, sys, time
+import torch
 import torch.distributed as dist
-rank, port, how = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 from torchrepro._child import teardown
-if how != "stock":
-    teardown.install()
+rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-dist.all_reduce(__import__("torch").ones(1))
+dist.all_reduce(torch.ones(1))
+out = {"rank": rank, "workers": len(teardown.gloo_workers()), "idle_before": teardown.quiesce(timeout=5)}
 if rank == 1:
     time.sleep(1.5)
-start = time.monotonic()
-if how == "finish":
-    teardown.finish()
+    dist.all_reduce(torch.ones(3))
 else:
-    dist.destroy_process_group()
-print(json.dumps({"rank": rank, "waited": time.monotonic() - start, "alive": dist.is_initialized()}))
+    dist.all_reduce(torch.ones(3), async_op=True)  # the handle dropped: only the worker holds it
+    start = time.monotonic()
+    out["gave_up"] = not teardown.quiesce(timeout=0.3)
+    out["idle"] = teardown.quiesce()
+    out["waited"] = time.monotonic() - start
+print(json.dumps(out))
 """
 
 
-def _world(tmp_path: Path, how: str) -> dict[int, dict[str, float]]:
+def test_quiesce_returns_once_the_gloo_worker_let_go_of_a_late_collective(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER, encoding="utf-8")
     port = str(free_port())
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(rank), port, how],
+            [sys.executable, str(script), str(rank), port],
             env=user_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -51,78 +56,31 @@ def _world(tmp_path: Path, how: str) -> dict[int, dict[str, float]]:
         )
         for rank in (0, 1)
     ]
-    out = {}
+    results, errors = {}, {}
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-2000:]
         result = json.loads(stdout.strip().splitlines()[-1])
-        out[result["rank"]] = result
-    return out
+        results[result["rank"]], errors[result["rank"]] = result, stderr
+    assert results[0]["workers"] == results[1]["workers"] == 2  # ProcessGroupGloo's worker threads
+    assert results[0]["idle_before"] and results[1]["idle_before"]
+    assert results[0]["gave_up"]  # busy while rank 1 had not joined
+    assert "a gloo worker thread was still busy 0.3 s after the script ended" in errors[0]
+    assert results[0]["idle"]
+    assert results[0]["waited"] > 1.0, results[0]  # rank 1 joined 1.5 s after the start
 
 
-@pytest.mark.parametrize("how", ["destroy", "finish"])
-def test_rank_0_ends_its_group_only_once_rank_1_has_arrived(tmp_path: Path, how: str) -> None:
-    ended = _world(tmp_path, how)
-    assert ended[0]["waited"] > 1.0  # it waited for rank 1's 1.5 s
-    assert ended[1]["waited"] < 1.0
-    assert not ended[0]["alive"] and not ended[1]["alive"]
+def test_quiesce_returns_at_once_without_gloo_workers() -> None:
+    start = time.monotonic()
+    assert teardown.gloo_workers() == []
+    assert teardown.quiesce() is True
+    assert time.monotonic() - start < 0.5
 
 
-def test_stock_destroy_does_not_wait(tmp_path: Path) -> None:
-    ended = _world(tmp_path, "stock")  # negative control
-    assert ended[0]["waited"] < 1.0
-
-
-ENDING = """
-import atexit, os, sys, threading, time
-import torch
-import torch.distributed as dist
-def main(rank=None, port=None):
-  if rank is None:
-    dist.init_process_group("gloo")
-  else:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-  rank = dist.get_rank()
-  model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 1))
-  model(torch.ones(2, 3)).sum().backward()  # the reducer holds the group until finalization
-  atexit.register(lambda: open(f"atexit.{rank}", "w").write("ran"))
-  global left_open
-  left_open = open(f"open.{rank}", "w")
-  left_open.write("flushed")  # buffered, never closed by the script
-  def late():
-    time.sleep(0.5)
-    open(f"thread.{rank}", "w").write("joined")
-  threading.Thread(target=late).start()
-  dist.destroy_process_group()
-if __name__ == "__main__":
-  if "--spawn" in sys.argv:
-    import torch.multiprocessing as mp
-    mp.spawn(main, args=(int(sys.argv[2]),), nprocs=2)
-  else:
-    main()
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ranks", ["torchrun", "mp.spawn"])
-def test_a_rank_that_ended_a_world_exits_as_a_normal_exit_would_for_the_script(
-    tmp_path: Path, ranks: str
-) -> None:
-    """After the world ended, the process skips only the interpreter's finalization (where gloo can
-    abort): its threads are joined, its atexit functions run, the files it left open are flushed;
-    for ranks torchrepro starts (``--nproc``) and ranks the script spawns itself alike."""
-    (tmp_path / "ending.py").write_text(ENDING, encoding="utf-8")
-    how = ["--nproc", "2", "ending.py"] if ranks == "torchrun" else ["ending.py", "--spawn", str(free_port())]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrepro", "run", *how],
-        cwd=tmp_path,
-        env=user_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for rank in (0, 1):
-        assert (tmp_path / f"atexit.{rank}").read_text() == "ran"
-        assert (tmp_path / f"open.{rank}").read_text() == "flushed"
-        assert (tmp_path / f"thread.{rank}").read_text() == "joined"
+def test_install_registers_quiesce_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setitem(teardown._installed, "quiesce", False)
+    teardown.install()
+    teardown.install()
+    assert registered == [teardown.quiesce]

@@ -27,14 +27,20 @@ pytestmark = pytest.mark.slow
 
 
 def launch(out: Path, world: int, *args: str) -> dict[str, Any]:
-    """Train with ``world`` processes (a plain process without a process group for 1)."""
+    """Train with ``world`` processes (a plain process without a process group for 1). Several
+    ranks start through ``torchrepro run --mode off`` (torchrun, gloo; the script's own switches),
+    which ends them once torch's gloo workers are idle: plain torchrun may abort a rank at exit
+    (``_child/teardown.py``)."""
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     if world == 1:
         cmd = [sys.executable, str(SCRIPT)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
-        cmd.append(str(SCRIPT))
-    proc = subprocess.run([*cmd, str(out), *args], capture_output=True, text=True, env=env, timeout=300)
+        record = out.with_name(out.stem + "-record")
+        cmd = [sys.executable, "-m", "torchrepro", "run", "--mode", "off", "--record", str(record)]
+        cmd += ["--nproc", str(world), str(SCRIPT)]
+    proc = subprocess.run(
+        [*cmd, str(out), *args], capture_output=True, text=True, env=env, timeout=300, cwd=out.parent
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(out.read_text())
 

@@ -24,7 +24,6 @@ import traceback
 import types
 from typing import Any
 
-from torchrepro._child import teardown
 from torchrepro._child.session import MaxStepsReached, configure
 from torchrepro._child.spec import ChildSpec
 
@@ -86,7 +85,14 @@ def _run_as_main(
     main.__dict__.update(__file__=file, __cached__=None, __spec__=spec, __builtins__=builtins)
     main.__dict__["__loader__"] = spec.loader if spec is not None else None
     main.__dict__["__package__"] = spec.parent if spec is not None else None
+    previous = sys.modules.get("__main__")
     sys.modules["__main__"] = main
+    if sys.modules.get("__mp_main__") is previous:
+        # multiprocessing, imported with torch before the script, aliased the bootstrap as its main
+        # module; it aliases the script's under python. That alias also keeps the module alive into
+        # the interpreter's finalization, which then clears its globals (closing the files they
+        # hold) even when something still references them (a hook's function globals).
+        sys.modules["__mp_main__"] = main
     exec(code, main.__dict__)
 
 
@@ -134,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         _print_user_traceback(exc)
         code = 1
     finally:
-        session.close(clean=code in (0, None))
+        session.close()
     sys.stdout.flush()
     sys.stderr.flush()
     if code is None:
@@ -142,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    if code == 0 and teardown.ended_a_world():
-        teardown.end_process(0)  # no interpreter finalization for gloo to abort in (``teardown``)
     return int(code)
 
 

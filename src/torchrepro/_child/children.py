@@ -92,9 +92,7 @@ def _seed() -> None:
 def _adopt_processes() -> None:
     """Configure the ``multiprocessing`` processes this one runs (stdlib patches, no torch yet):
     seed before the parent's ``__main__`` is re-imported (``spawn.prepare``), configure before
-    a target runs unless it is a DataLoader worker (``BaseProcess._bootstrap``); a target that
-    ended a gloo world of several ranks and returned cleanly ends by ``teardown.end_process``, as
-    the ranks the bootstrap runs do."""
+    a target runs unless it is a DataLoader worker (``BaseProcess._bootstrap``)."""
     import multiprocessing.process as mp_process
     import multiprocessing.spawn as mp_spawn
 
@@ -109,13 +107,7 @@ def _adopt_processes() -> None:
         target = getattr(self, "_target", None)
         if getattr(target, "__module__", None) != _WORKER_MODULE:
             _configure()
-        code = bootstrap(self, *args, **kwargs)
-        if code == 0:
-            from torchrepro._child import teardown
-
-            if teardown.ended_a_world():  # a rank of a world it ended: no finalization to abort in
-                teardown.end_process(0)
-        return code
+        return bootstrap(self, *args, **kwargs)
 
     mp_spawn.prepare = prepare_seeded
     mp_process.BaseProcess._bootstrap = bootstrap_configured  # type: ignore[attr-defined]

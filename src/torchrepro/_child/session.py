@@ -16,9 +16,9 @@ Invariants:
   flushed (``MaxStepsReached``); at exit a ``final`` event holds the state of every module the
   script's globals hold; the tracing package is imported only when the spec asks for a trace or
   an op record.
-- The ranks of a run end their process group together (``_child.teardown``): installed at
-  ``configure``; at ``close``, after the last event is written, a group the script left alive is
-  ended so, in the process torchrepro started and when the script ended without an error.
+- A configured process reaches the interpreter's exit only once torch's gloo worker threads are
+  idle (``_child.teardown``, installed at ``configure``): its finalization, which closes the files
+  the script left open, runs as for plain python.
 - A process forked from a configured one inherits its hooks but records nothing (the recorder
   stays silent there) and never traces; when it trains (an optimizer step, a ``backward()`` step)
   it leaves one ``uncovered`` note, so a check says the training ran unrecorded.
@@ -222,12 +222,10 @@ class Session:
         except OSError as exc:
             print(f"torchrepro: could not note the varied DataLoaders: {exc}", file=sys.stderr)
 
-    def close(self, *, clean: bool = True) -> None:
-        """Flush and write what the run recorded. ``clean``: the script ended without an error
-        (only then does the process torchrepro started wait for its ranks to end together: a
-        failed rank must exit at once, so the launcher ends the others)."""
+    def close(self) -> None:
+        """Flush and write what the run recorded."""
         if self.backward_steps is not None:
-            self.backward_steps.flush()  # the last hand-written update
+            self.backward_steps.flush(last=True)  # the last hand-written update
         self._stop_tracer()
         self.finish_ops()
         if self.recorder is not None:
@@ -236,8 +234,6 @@ class Session:
         if self.claim is not None and self.main:
             self.claim.touch()
         self._save_varied()
-        if clean and self.main:
-            teardown.finish()
 
 
 def _record_final_state(recorder: Recorder) -> None:

@@ -1,113 +1,126 @@
-"""The ranks of a run end their process group together (torchrepro's children only).
+"""A process of a run reaches the interpreter's exit only once torch's gloo worker threads are idle.
 
-With gloo, when one rank tears its process group down (``destroy_process_group``, or the
-interpreter's exit) while another rank's last collective is still in flight, that rank's gloo
-thread fails where it cannot throw and the process aborts ("terminate called without an active
-exception", SIGABRT), after its training finished. torch 2.13 on the CPU, plain ``torchrun`` of a
-2-rank DDP script, no torchrepro: 2 of 8 runs aborted with ``destroy_process_group()`` at its end,
-3 of 10 without it, 0 of 10 with a barrier before it. A check then said "the script failed".
+The cause of the abort at exit ("terminate called without an active exception", SIGABRT, after
+the training finished; torch 2.13 on the CPU, plain ``torchrun`` of a 2-rank DDP script, 2 of 80
+runs under load), read from core dumps: not a peer that left, but a race inside the aborting
+process, which is usually the rank that exits *first*. Since torch stashes the autograd context
+(a ``contextvars.Context``) in C++ thread-local state during every ``backward()``, each gloo work
+a DDP gradient hook starts there copies that Python object into the work's captured
+``at::ThreadLocalState``. The gloo worker thread (``pt_gloo_runloop``) holds the last reference to
+a finished work and destroys it *after* completing its future, and destroying it decrefs the
+object, which takes the GIL. When the main thread has meanwhile returned from the last
+``backward()`` and entered ``Py_FinalizeEx``, ``take_gil`` ends the worker with
+``pthread_exit``, whose forced unwind reaches the work's ``noexcept`` destructor:
+``std::terminate``. A barrier before the end only narrows the window (the barrier's own work can
+be destroyed late too). Upstream: pytorch/pytorch#190489 (the decref racing the interpreter's
+finalization; pytorch/pytorch#179291 tried to destroy the groups at exit and was abandoned, and
+DDP keeps its group alive past ``destroy_process_group`` anyway).
 
 Invariants:
-- ``install`` wraps ``torch.distributed.destroy_process_group``: before the default group of a
-  gloo world of several ranks is destroyed, every rank waits for the others
-  (``monitored_barrier``, with a timeout of a minute: a rank that never comes is named by gloo
-  and not waited for past it). Other groups and backends are destroyed as the script asks.
-- ``finish`` (at the end of a run that ended without an error: a failed rank exits at once, so
-  its launcher ends the others) does the same for a default group the script left alive, then
-  destroys it, so nothing is left for the interpreter's exit to race.
-- It orders the teardown only: it never changes what the script computed, and an error in it is
-  printed and ignored (the run's exit code is the script's).
-- The barrier is not always enough: objects the script still holds (DDP's reducer) keep the gloo
-  group's connections alive into the interpreter's finalization, and a rank whose peer has already
-  exited could still abort there (seen under load in about 1 of 60 checks of a 2-rank DDP script
-  with ``--steps``, after its training had finished). So a process that ended a gloo world of
-  several ranks cleanly ends with ``end_process``: everything a normal exit does for the script
-  (its non-daemon threads joined, its ``atexit`` functions run, files it left open flushed, the
-  standard streams flushed), then ``os._exit`` with its exit code, skipping only the destruction of
-  the C++ objects where the abort happens: the ranks the bootstrap runs (``bootstrap.main``) and
-  the ``multiprocessing`` ranks a script spawns itself (``children``, once their target returned).
+- ``install`` (at ``session.configure``, before the script's first line, so it runs after every
+  ``atexit`` function the script registers) adds ``quiesce`` to the ``atexit`` functions, once per
+  process. Nothing else changes: the interpreter's finalization runs as for plain python, so
+  files the script left open are closed (a gzip trailer, a zip central directory).
+- ``quiesce`` waits, with the GIL released, until every ``pt_gloo_runloop`` thread of the process
+  is idle: blocked in its queue's untimed condition wait, and not scheduled at all between two
+  looks 2 ms apart (a worker waiting for the GIL gets it meanwhile and finishes). A worker that
+  does not become idle within ``TIMEOUT`` (a collective whose peer never comes) is left as plain
+  python would leave it, with one line on stderr. Without ``/proc`` (not Linux) or gloo threads
+  it returns at once. It orders the exit only: it never changes what the script computed.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import datetime
-import functools
-import gc
-import io
 import os
+import platform
 import sys
-import threading
-from typing import Any, NoReturn
+import time
 
-__all__ = ["end_process", "ended_a_world", "finish", "install"]
+__all__ = ["gloo_workers", "install", "quiesce"]
 
-TIMEOUT = datetime.timedelta(seconds=60)
-_state = {"world": False}  # whether this process waited for its peers at the end of a gloo world
+TIMEOUT = 10.0
+"""Seconds ``quiesce`` waits for the gloo worker threads before leaving them as they are."""
 
-
-def _wait_for_the_others(dist: Any) -> None:
-    """A barrier among the default group's ranks when it is gloo with several ranks."""
-    try:
-        if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() != "gloo":
-            return
-        dist.monitored_barrier(timeout=TIMEOUT)
-        _state["world"] = True
-    except Exception as exc:  # a rank that left early: gloo names it; the teardown goes on
-        print(f"torchrepro: the ranks did not end together ({type(exc).__name__}: {exc})", file=sys.stderr)
+_POLL = 0.002
+_WORKER_NAME = "pt_gloo_runloop"  # torch's name for ProcessGroupGloo's worker threads
+_FUTEX = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}.get(platform.machine().lower())
+_FUTEX_CMD = 0x7F  # the op without FUTEX_PRIVATE_FLAG and FUTEX_CLOCK_REALTIME
+_FUTEX_WAIT_BITSET = 9  # how glibc's pthread_cond_wait blocks
+_TASKS = "/proc/self/task"
+_installed = {"quiesce": False}
 
 
 def install() -> None:
-    """Make ``torch.distributed.destroy_process_group`` of the default group wait for every rank."""
-    dist: Any = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or getattr(dist.destroy_process_group, "_torchrepro", False):
-        return
-    original = dist.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None) -> None:
-        if group is None:
-            _wait_for_the_others(dist)
-        original(group)
-
-    destroy_process_group._torchrepro = True  # type: ignore[attr-defined]
-    dist.destroy_process_group = destroy_process_group
+    """Register ``quiesce`` with ``atexit`` (once per process)."""
+    if not _installed["quiesce"]:
+        _installed["quiesce"] = True
+        atexit.register(quiesce)
 
 
-def finish() -> None:
-    """End a default group the script left alive: wait for every rank, then destroy it."""
-    dist: Any = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return
+def gloo_workers() -> list[str]:
+    """The thread ids of this process's gloo worker threads (none without ``/proc``)."""
     try:
-        dist.destroy_process_group()  # the wrapped one: waits for the others first
-    except Exception as exc:
-        print(f"torchrepro: could not end the process group ({type(exc).__name__}: {exc})", file=sys.stderr)
+        tids = os.listdir(_TASKS)
+    except OSError:
+        return []
+    workers = []
+    for tid in tids:
+        try:
+            with open(f"{_TASKS}/{tid}/comm", encoding="utf-8", errors="replace") as f:
+                if f.read().strip() == _WORKER_NAME:
+                    workers.append(tid)
+        except OSError:  # the thread ended meanwhile
+            continue
+    return workers
 
 
-def ended_a_world() -> bool:
-    """Whether this process ended a gloo world of several ranks (its peers may exit before it)."""
-    return _state["world"]
-
-
-def end_process(code: int) -> NoReturn:
-    """End the process as a normal exit would for the script, without finalizing the interpreter:
-    join the non-daemon threads, run the ``atexit`` functions, flush every open file and the
-    standard streams, then ``os._exit(code)``."""
+def _look(tid: str) -> tuple[bool, tuple[str, ...]] | None:
+    """Whether the thread may be idle (blocked in an untimed condition wait, or, where the system
+    call cannot be read, blocked at all), and its scheduler counters (time on the CPU, times
+    scheduled); None once it has ended."""
     try:
-        current = threading.current_thread()
-        for thread in threading.enumerate():
-            if thread is not current and not thread.daemon and thread.is_alive():
-                thread.join()
-        atexit._run_exitfuncs()
-        for obj in gc.get_objects():  # what finalization would flush: files the script left open
-            if issubclass(type(obj), io.IOBase) and obj is not sys.stdout and obj is not sys.stderr:
-                with contextlib.suppress(Exception):  # a broken or detached file: finalization ignores it
-                    if not obj.closed and obj.writable():
-                        obj.flush()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        with open(f"{_TASKS}/{tid}/schedstat", encoding="ascii") as f:
+            ran = tuple(f.read().split()[0::2])
+    except OSError:
+        return None
+    try:
+        with open(f"{_TASKS}/{tid}/syscall", encoding="ascii") as f:
+            call = f.read().split()
+    except OSError:  # a kernel without it: the counters alone decide
+        return True, ran
+    if not call or call[0] == "running":
+        return False, ran
+    if _FUTEX is None:  # another architecture's numbers: blocked, and the counters decide
+        return True, ran
+    try:  # "<nr> <uaddr> <op> <val> <timeout> ...": blocked in futex(uaddr, op, val, timeout)
+        waiting = (
+            int(call[0]) == _FUTEX
+            and int(call[2], 16) & _FUTEX_CMD == _FUTEX_WAIT_BITSET
+            and int(call[4], 16) == 0
+        )
+    except (IndexError, ValueError):
+        waiting = False
+    return waiting, ran
+
+
+def quiesce(timeout: float = TIMEOUT) -> bool:
+    """Wait until every gloo worker thread is idle (see the module's invariants); whether they
+    all were within ``timeout`` seconds."""
+    if not gloo_workers():
+        return True
+    deadline = time.monotonic() + timeout
+    before: dict[str, tuple[bool, tuple[str, ...]] | None] | None = None
+    while True:
+        looks = {tid: _look(tid) for tid in gloo_workers()}
+        if looks == before and all(look is None or look[0] for look in looks.values()):
+            return True
+        if time.monotonic() > deadline:
+            print(
+                f"torchrepro: a gloo worker thread was still busy {timeout:g} s after the script "
+                "ended (a collective without its peers?); exiting anyway",
+                file=sys.stderr,
+            )
+            return False
+        before = looks
+        time.sleep(_POLL)  # the GIL released: a worker waiting for it finishes its work now

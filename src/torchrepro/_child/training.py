@@ -291,11 +291,14 @@ class BackwardSteps:
         if self.on_step_end is not None:
             self.on_step_end(k)
 
-    def flush(self) -> None:
-        """Write the parameters after the last backward step's update (at the next step, or at exit)."""
-        if not self._pending_update:
-            return
-        self._pending_update = False
-        if self.recorder is not None:
-            params = [(f"param:{n}", t) for n, t in self._last]
-            self.recorder.write("compute", BACKWARD_KEY, self.steps - 1, params, named=True)
+    def flush(self, *, last: bool = False) -> None:
+        """Write the parameters after the last backward step's update (at the next step, or at exit:
+        ``last``, which also lets go of the script's tensors, so nothing of ours keeps them, nor the
+        globals of the hooks they hold, alive into the interpreter's finalization)."""
+        if self._pending_update:
+            self._pending_update = False
+            if self.recorder is not None:
+                params = [(f"param:{n}", t) for n, t in self._last]
+                self.recorder.write("compute", BACKWARD_KEY, self.steps - 1, params, named=True)
+        if last:
+            self._last = []

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -149,14 +148,6 @@ def main() -> None:
         result["resumed"] = {p.name: gathered(invariant_run(args, p)) for p in checkpoints}
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
-    if dist.is_initialized():
-        # gloo's teardown may abort a rank ("terminate called without an active exception") when
-        # its peers leave first, even after a barrier (about 1 in 10 launches of 3-4 ranks on 2
-        # cores here); the results are written, so the ranks leave together without tearing down.
-        dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":
