@@ -93,7 +93,8 @@ def main() -> None:
         for name, script, extra, runs in scripts:
             for i in range(runs):
                 for launcher in ("torchrun", "torchrepro run"):
-                    jobs.append((name, launcher, script, extra, Path(tmp) / f"{name}-{launcher[:5]}-{i}"))
+                    where = Path(tmp) / f"{name}-{launcher.replace(' ', '-')}-{i}"
+                    jobs.append((name, launcher, script, extra, where))
         with ThreadPoolExecutor(args.parallel) as pool:
             futures = [
                 (name, launcher, pool.submit(launch, launcher, script, extra, where, 29000 + n))

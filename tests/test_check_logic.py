@@ -28,8 +28,8 @@ from torchrepro.check import (
     check_script,
 )
 from torchrepro.check_runs import make_run, rank_notes, varied_workers
-from torchrepro.compare import Coverage, Divergence, WorldScope
 from torchrepro.errors import LaunchError, SettingsError
+from torchrepro.results import Coverage, Divergence, WorldScope
 
 BASE = ChildSpec(seed=5, mode="warn", max_steps=3)
 

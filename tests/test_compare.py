@@ -13,20 +13,10 @@ import pytest
 import torch
 
 from torchrepro.compare import (
-    FINAL_NOT_LOCATED,
-    UNRECORDED_REASON,
-    WORLD_NOT_LOCATED,
-    Comparison,
-    Coverage,
-    Divergence,
     RankCursor,
-    TensorDifference,
-    WorldScope,
-    _pick_source,
     compare_runs,
     coverage,
     first_divergence,
-    locate_in_traces,
     optimizer_steps,
     steps_compared,
     tensor_difference,
@@ -34,6 +24,7 @@ from torchrepro.compare import (
 )
 from torchrepro.env import Environment
 from torchrepro.events import BACKWARD_KEY, FINAL_KEY
+from torchrepro.results import Comparison, Coverage, Divergence, TensorDifference, WorldScope
 from torchrepro.runrecord import (
     RunSettings,
     events_path,
@@ -42,6 +33,15 @@ from torchrepro.runrecord import (
     write_env,
     write_run_files,
     write_uncovered,
+)
+from torchrepro.tracing.locate import _pick_source, locate_in_traces
+from torchrepro.verdict import (
+    FINAL_NOT_LOCATED,
+    UNRECORDED_REASON,
+    WORLD_NOT_LOCATED,
+    coverage_inconclusive_note,
+    coverage_inconclusive_reason,
+    world_divergence_reason,
 )
 
 Event = dict[str, Any]
@@ -521,15 +521,15 @@ def test_coverage_counts_compared_events_per_rank_and_kind() -> None:
 def test_an_inconclusive_note_says_which_ranks_were_not_compared() -> None:
     """Training compared on rank 0 only: the note must not claim nothing was compared at all."""
     partial = Coverage(per_rank={0: {"init": 1, "compute": 3}, 1: {"init": 1}}, ranks_expected=(0, 1, 2))
-    assert partial.inconclusive_note() == (
+    assert coverage_inconclusive_note(partial) == (
         "inconclusive: nothing that changes during training was compared on rank(s) 1, 2 (training "
         "was compared on rank(s) 0); a rank that was not compared cannot pass"
     )
     nothing = Coverage(per_rank={0: {"init": 1, "final": 1}}, ranks_expected=(0,))
-    assert nothing.inconclusive_note().startswith(
+    assert coverage_inconclusive_note(nothing).startswith(
         "inconclusive: nothing that changes during training was compared:"
     )
-    assert "optimizer step" in nothing.inconclusive_note()
+    assert "optimizer step" in coverage_inconclusive_note(nothing)
 
 
 # --- verdicts that name the real reason ------------------------------------------------------------
@@ -623,16 +623,18 @@ def test_optimizer_steps_are_counted_per_optimizer() -> None:
 
 def test_an_inconclusive_reason_is_specific() -> None:
     partial = Coverage(per_rank={0: {"init": 1, "compute": 3}, 1: {"init": 1}}, ranks_expected=(0, 1))
-    assert partial.inconclusive_reason() == (
+    assert coverage_inconclusive_reason(partial) == (
         "rank(s) 1 were not compared: nothing that changes during training was recorded there "
         "(training was compared on rank(s) 0)"
     )
     nothing = Coverage(per_rank={0: {"final": 1}}, ranks_expected=(0,))
-    assert nothing.inconclusive_reason().startswith("nothing that changes during training was compared:")
-    assert nothing.inconclusive_reason(unrecorded=True).startswith(
+    assert coverage_inconclusive_reason(nothing).startswith(
+        "nothing that changes during training was compared:"
+    )
+    assert coverage_inconclusive_reason(nothing, unrecorded=True).startswith(
         "nothing was compared: the training ran in python processes torchrepro does not record"
     )
-    assert "not record" in nothing.inconclusive_note(unrecorded=True)
+    assert "not record" in coverage_inconclusive_note(nothing, unrecorded=True)
     # a definite divergence does not carry the "nothing compared" remark
     assert "nothing beyond init" in nothing.describe()
     assert "nothing beyond init" not in nothing.describe(uncovered=False)
@@ -738,7 +740,7 @@ def test_compare_passes_a_threads_difference_to_the_op_locator(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An op whose output depends on the thread count is a settings difference, not nondeterminism."""
-    import torchrepro.compare as compare_module
+    import torchrepro.compare.runs as compare_module
 
     seen: list[str | None] = []
 
@@ -849,11 +851,13 @@ def test_an_optimizer_step_differing_across_world_sizes_is_named_with_why(tmp_pa
 )
 def test_why_runs_on_different_world_sizes_part(name: str | None, unmatched: bool, words: str) -> None:
     d = Divergence(step=0, rank=1, kind="compute", key="optimizer0", name=name, unmatched=unmatched)
-    assert words in WorldScope(1, 2).divergence_reason(d)
+    assert words in world_divergence_reason(WorldScope(1, 2), d)
     init = Divergence(step=0, rank=0, kind="init", key="optimizer0", name="param:fc.weight")
-    assert "initial weights depend on the number of processes" in WorldScope(1, 4).divergence_reason(init)
+    assert "initial weights depend on the number of processes" in world_divergence_reason(
+        WorldScope(1, 4), init
+    )
     final = Divergence(step=3, rank=0, kind="compute", key=FINAL_KEY, name="final:model.bn.running_mean")
-    assert "state at exit of model differs" in WorldScope(1, 2).divergence_reason(final)
+    assert "state at exit of model differs" in world_divergence_reason(WorldScope(1, 2), final)
 
 
 def test_a_rank_missing_from_the_larger_world_diverges(tmp_path: Path) -> None:

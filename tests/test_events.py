@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from torchrepro.compare import Divergence, compare_runs
+from torchrepro.compare import compare_runs
 from torchrepro.events import (
     BACKWARD_KEY,
     EVENT_KINDS,
@@ -25,6 +25,7 @@ from torchrepro.events import (
     optimizer_key,
     world_invariant,
 )
+from torchrepro.results import Divergence
 from torchrepro.runrecord import events_path
 
 # --- keys ----------------------------------------------------------------------------------------

@@ -17,25 +17,30 @@ import pytest
 from helpers import SRC, user_env
 from torchrepro._child.overlay import Overlay, _unescape
 from torchrepro._child.writes import read_writes
-from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
+from torchrepro.isolation import Layers, describe_shared, probe, shared_writes
+from torchrepro.results import Isolation
 from torchrepro.runrecord import WRITES_FILE
 
 SHELL = "echo new > model.pt; echo ev > records/ev; mkdir made; rm old.txt; cat model.pt"
 
 
 def _supervise(
-    cwd: Path, overlay: Overlay, python: str = sys.executable, user: list[str] | None = None
+    cwd: Path,
+    overlay: Overlay,
+    python: str = sys.executable,
+    user: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> str:
-    """Run ``SHELL`` under the supervisor in ``overlay``; return its output."""
+    """Run ``SHELL`` under the supervisor in ``overlay`` (``env``: ``user_env()``); return its output."""
     code = (
         "import os, subprocess, sys; sys.exit(subprocess.call([sys.executable, '-m', "
         f"'torchrepro._child.supervisor', str(os.getpid()), '--overlay', {overlay.to_arg()!r}, "
         f"'--', 'sh', '-c', {SHELL!r}]))"
     )
     proc = subprocess.run(
-        [*(user or []), python, "-c", code],
+        [*user, python, "-c", code],
         cwd=cwd,
-        env=user_env(),
+        env=user_env() if env is None else env,
         capture_output=True,
         text=True,
         timeout=60,
@@ -75,13 +80,20 @@ def test_the_supervisor_overlays_the_directory_as_root(tmp_path: Path) -> None:
     reason="needs root to become an unprivileged user (setpriv) and a python that user can run",
 )
 def test_the_supervisor_overlays_the_directory_in_a_user_namespace_for_a_user_that_is_not_root() -> None:
-    # the supervisor imports only the standard library, so the system python runs it as nobody
+    # The supervisor imports only the standard library, so the system python runs it as nobody,
+    # from a copy of the package that nobody can read: the checkout may sit where only root may
+    # enter (a clone into a fresh `mktemp -d` directory, mode 0700).
     root = Path(tempfile.mkdtemp(prefix="torchrepro-userns-"))
     try:
         cwd, overlay = _tree(root)
+        staged = root / "site"
+        shutil.copytree(
+            Path(SRC) / "torchrepro", staged / "torchrepro", ignore=shutil.ignore_patterns("__pycache__")
+        )
         subprocess.run(["chown", "-R", "65534:65534", str(root)], check=True)
         nobody = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
-        out = _supervise(cwd, overlay, python="/usr/bin/python3", user=nobody)
+        env = {**user_env(), "PYTHONPATH": str(staged), "PYTHONDONTWRITEBYTECODE": "1"}
+        out = _supervise(cwd, overlay, python="/usr/bin/python3", user=nobody, env=env)
         _assert_isolated(cwd, overlay, out)
         assert (Path(overlay.upper) / "model.pt").stat().st_uid == 65534  # the user's own uid, not root
     finally:

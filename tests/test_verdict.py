@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from torchrepro.check import CheckResult
-from torchrepro.compare import Coverage, Divergence
+from torchrepro.results import Coverage, Divergence
 from torchrepro.verdict import describe_check, describe_divergence
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,22 +55,10 @@ from torchrepro.check_runs import (
     watch,
     world_pair,
 )
-from torchrepro.compare import (
-    FINAL_NOT_LOCATED,
-    WORLD_NOT_LOCATED,
-    Coverage,
-    Divergence,
-    WorldScope,
-    coverage,
-    final_state_reason,
-    inconclusive_verdict,
-    locate_in_traces,
-    optimizer_steps,
-    steps_compared,
-)
+from torchrepro.compare.alignment import coverage, optimizer_steps, steps_compared
 from torchrepro.errors import ReproError, SettingsError
 from torchrepro.events import BACKWARD_KEY, optimizer_index
-from torchrepro.isolation import Isolation, Layers, describe_shared, probe, shared_writes
+from torchrepro.isolation import Layers, describe_shared, probe, shared_writes
 from torchrepro.launch import (
     build_command,
     check_target,
@@ -80,93 +67,28 @@ from torchrepro.launch import (
     start_notes,
     terminate_on_signals,
 )
+from torchrepro.options import VARY_CHOICES, CheckOptions
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
+from torchrepro.results import CheckResult, Coverage, Divergence, Isolation, WorldScope
+from torchrepro.tracing.locate import locate_in_traces
+from torchrepro.verdict import (
+    FINAL_NOT_LOCATED,
+    WORLD_NOT_LOCATED,
+    describe_isolation,
+    final_state_reason,
+    inconclusive_verdict,
+    world_divergence_reason,
+)
 
 if TYPE_CHECKING:
-    from torchrepro.tracing.repro import Repro
+    from torchrepro.results import Repro
 
-__all__ = ["VARY_CHOICES", "CheckProgress", "CheckResult", "check_script"]
-
-VARY_CHOICES = ("workers", "threads", "hashseed", "world")
-"""What ``--vary`` can change in later runs."""
+__all__ = ["VARY_CHOICES", "CheckOptions", "CheckProgress", "CheckResult", "check_script"]
 
 WORLD_DEFAULT_NPROC = 2
 """The processes of the later runs of ``--vary world`` when ``--nproc`` is not given."""
 
 LOCATE_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """The verdict of a check.
-
-    ``reproducible`` is None when a run failed (``error`` says how, ``stderr_tail`` shows the
-    end of its output) or when the check is inconclusive (no divergence, but nothing beyond
-    ``init`` compared on some rank: ``coverage`` says what was); ``notes`` say what locating did
-    or could not do, and why a check is inconclusive. ``isolation`` says how the runs' writes
-    were kept apart; ``shared_writes`` are the paths runs running together both wrote anyway.
-    ``reason`` is the headline's why: the specific reason of an inconclusive check, or, for runs
-    that differ only in the final state, that the training which changed it was not recorded.
-    ``varied`` is what ``--vary`` (and ``later_args``) changed, in words (``1 vs 2 threads``).
-    ``optimizer_steps`` counts the optimizer steps compared per optimizer (``steps_compared``
-    counts training steps).
-    ``portable`` is what portable mode set in the runs (``MKL_CBWR``, ``ATEN_CPU_CAPABILITY``,
-    ``onednn``: False), None when it was off.
-    ``world`` (``--vary world``) says which ranks and events were compared across world sizes;
-    ``reason`` then says, for a divergence, why the runs part and what to do.
-    ``repro`` is what ``repro=DIR`` wrote (None: nothing; the notes say why).
-    """
-
-    reproducible: bool | None
-    runs: int
-    steps_compared: int
-    first_divergence: Divergence | None
-    check_dir: str
-    error: str | None = None
-    returncode: int | None = None
-    stderr_tail: str = ""
-    notes: tuple[str, ...] = field(default_factory=tuple)
-    coverage: Coverage | None = None
-    isolation: Isolation | None = None
-    shared_writes: tuple[str, ...] = ()
-    reason: str | None = None
-    varied: str | None = None
-    optimizer_steps: dict[str, int] = field(default_factory=dict)
-    portable: dict[str, Any] | None = None
-    world: WorldScope | None = None
-    repro: Repro | None = None
-
-    @property
-    def inconclusive(self) -> bool:
-        """No divergence, but not enough was compared to call the script reproducible."""
-        return self.reproducible is None and self.error is None
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``check --json`` object and ``verdict.json`` (``error`` only when a run failed,
-        ``world`` only with ``--vary world``)."""
-        d: dict[str, Any] = {
-            "reproducible": self.reproducible,
-            "runs": self.runs,
-            "steps_compared": self.steps_compared,
-            "optimizer_steps": sum(self.optimizer_steps.values()),
-            "steps_per_optimizer": dict(self.optimizer_steps),
-            "first_divergence": None if self.first_divergence is None else self.first_divergence.to_dict(),
-            "inconclusive": self.inconclusive,
-            "reason": self.reason,
-            "varied": self.varied,
-            "portable": None if self.portable is None else dict(self.portable),
-            "coverage": None if self.coverage is None else self.coverage.to_dict(),
-            "notes": list(self.notes),
-            "repro": None if self.repro is None else self.repro.to_dict(),
-        }
-        if self.world is not None:
-            d["world"] = self.world.to_dict()
-        if self.isolation is not None:
-            d["isolation"] = self.isolation.to_dict()
-            d["shared_writes"] = list(self.shared_writes)
-        if self.error is not None:
-            d["error"] = self.error
-        return d
 
 
 def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> ChildSpec:
@@ -251,77 +173,42 @@ def check_script(
     args: Sequence[str] = (),
     *,
     module: str | None = None,
-    runs: int = 2,
-    steps: int | None = None,
-    nproc: int | None = None,
-    seed: int = 0,
-    mode: str = "strict",
-    threads: int | None = None,
-    cpu_capability: str | None = None,
-    no_seed: bool = False,
-    vary: str | None = None,
-    portable: bool = False,
-    root: str | os.PathLike[str] = ".torchrepro/checks",
-    locate: bool = True,
-    serial: bool = False,
-    isolate: bool = True,
+    options: CheckOptions | None = None,
     later_args: Sequence[str] | None = None,
     progress: Callable[[CheckProgress], None] | None = None,
-    poll_interval: float = 0.05,
-    steps_after_divergence: int = 0,
-    repro: str | os.PathLike[str] | None = None,
-    repro_threads: bool = False,
+    **option_values: Any,
 ) -> CheckResult:
-    """Run ``script`` ``runs`` times under ``torchrepro run``'s settings and compare them live.
+    """Run ``script`` (or ``module``) with ``args`` several times under ``torchrepro run``'s settings
+    and compare the runs live.
 
-    ``steps_after_divergence``: the runs go on for up to this many training steps after the step
-    of the first divergence (default: stopped at once), so a report can show how the difference
-    grows (``check --report`` asks for ``cli.REPORT_STEPS_AFTER``).
+    ``options`` (``CheckOptions``) says how, with any of its fields given by name on top
+    (``check_script("train.py", runs=3, vary="threads")``): the runs, their settings, what the
+    later runs vary, locating, isolation, where the records go. ``later_args``: the runs after the
+    first get these arguments instead of ``args`` (a variant of the script compared against it: a
+    run resumed midway against one that was not). ``progress`` is called with the steps each run
+    reached as they advance, and when locating starts.
 
-    ``later_args``: the runs after the first get these arguments instead of ``args`` (a variant
-    of the script compared against it: a run resumed midway against one that was not).
-
-    ``serial=True`` runs one run at a time (each later one compared live against the first):
-    slower, but one run's processes at a time (a GPU that fits one run, not two).
-    ``isolate=True`` gives each run a copy-on-write view of the working directory (its writes
-    end up in its record, never in the user's files) where the kernel allows it.
-    ``portable=True`` runs them in portable mode (``torchrepro.portable``); with
-    ``vary="threads"`` the check then says whether the script's results are independent of the
-    thread count, and where they are not.
-    ``repro``: a directory (new or empty) for a standalone script that reproduces the located op's
-    difference (``tracing.repro``); needs ``locate``. ``repro_threads``: without ``repro``, under
-    ``vary="threads"``, write that script into the check's own directory (``repro/script/``) and
-    keep what it printed: the located op's result under both thread counts (``check --report``
-    shows it).
-    Raises ``LaunchError`` when the script or module does not exist and ``ValueError`` for
-    invalid options; a failing script is a ``CheckResult`` with ``error`` set.
+    Raises ``LaunchError`` when the script or module does not exist and ``SettingsError`` for
+    invalid options (``TypeError`` for an unknown one); a failing script is a ``CheckResult`` with
+    ``error`` set.
     """
-    if runs < 2:
-        raise SettingsError(f"runs must be >= 2 to compare anything, got {runs}")
-    if steps is not None and steps < 1:
-        raise SettingsError(f"steps must be >= 1, got {steps}")
-    if vary is not None and vary not in VARY_CHOICES:
-        raise SettingsError(f"vary must be one of {VARY_CHOICES}, got {vary!r}")
-    if steps_after_divergence < 0:
-        raise SettingsError(f"steps_after_divergence must be >= 0, got {steps_after_divergence}")
+    opts = CheckOptions.build(options, **option_values)
     base = ChildSpec(
-        cpu_capability=cpu_capability,
-        seed=None if no_seed else seed,
-        mode=None if no_seed else mode,
-        threads=threads,
-        max_steps=steps,
-        portable=portable,
+        cpu_capability=opts.cpu_capability,
+        seed=None if opts.no_seed else opts.seed,
+        mode=None if opts.no_seed else opts.mode,
+        threads=opts.threads,
+        max_steps=opts.steps,
+        portable=opts.portable,
     )
-    if repro is not None and not locate:
-        raise SettingsError("--repro writes a script of the op that locating finds; drop --no-locate")
     repro_dir = None
-    if repro is not None:
+    if opts.repro is not None:
         from torchrepro.tracing.repro import prepare_dir
 
-        repro_dir = prepare_dir(repro)
+        repro_dir = prepare_dir(opts.repro)
     portable_notes = start_notes(base)  # a value it cannot use is refused before anything is created
     check_target(script, module, args, command="check")
-    worlds = _world_sizes(vary, nproc, runs)
+    worlds = _world_sizes(opts.vary, opts.nproc, opts.runs)
     commands = [  # validates nproc
         build_command(
             script,
@@ -332,30 +219,25 @@ def check_script(
         )
         for i, n in enumerate(worlds)
     ]
-    check_dir = runrecord.new_run_dir(root)
-    isolation, layers = _isolation(check_dir, enabled=isolate)
+    check_dir = runrecord.new_run_dir(opts.root)
+    isolation, layers = _isolation(check_dir, enabled=opts.isolate)
+    repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
     try:
         return _check(
             check_dir,
             commands,
             base,
+            opts,
             isolation=isolation,
             layers=layers,
             script=script,
             module=module,
-            runs=runs,
             nprocs=worlds,
-            seed=seed,
-            vary=vary,
             varied_args=None if later_args is None else _args_text(args, later_args),
-            locate=locate,
-            serial=serial,
             progress=progress,
-            poll_interval=poll_interval,
             start_notes=portable_notes,
-            linger=steps_after_divergence,
             repro_dir=repro_dir,
-            repro_threads=repro_threads and repro_dir is None and vary == "threads" and locate,
+            repro_threads=repro_threads,
         )
     finally:
         if layers is not None:
@@ -386,29 +268,24 @@ def _check(
     check_dir: Path,
     commands: list[list[str]],
     base: ChildSpec,
+    options: CheckOptions,
     *,
     isolation: Isolation,
     layers: Layers | None,
     script: str | None,
     module: str | None,
-    runs: int,
     nprocs: list[int | None],
-    seed: int,
-    vary: str | None,
     varied_args: str | None,
-    locate: bool,
-    serial: bool,
     progress: Callable[[CheckProgress], None] | None,
-    poll_interval: float,
     start_notes: Sequence[str] = (),
-    linger: int = 0,
     repro_dir: Path | None = None,
     repro_threads: bool = False,
 ) -> CheckResult:
     """The check of ``check_script``: ``commands`` holds each run's command line."""
+    runs, vary, serial, poll_interval = options.runs, options.vary, options.serial, options.poll_interval
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
     world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
-    specs = [_run_spec(base, vary, i, seed=seed) for i in range(runs)]
+    specs = [_run_spec(base, vary, i, seed=options.seed) for i in range(runs)]
     all_runs = [
         make_run(i, check_dir / f"run{i}", commands[i], specs[i], ranks=nprocs[i] or 1, layers=layers)
         for i in range(runs)
@@ -437,7 +314,7 @@ def _check(
             "and the same seed"
         )
     if isolation.mode == "none" and isolation.reason != _OPTED_OUT:
-        notes.append(f"the runs were not isolated: {isolation.describe()}")
+        notes.append(f"the runs were not isolated: {describe_isolation(isolation)}")
     try:
         with terminate_on_signals():
             divergences, cursors, failed = watch(
@@ -446,7 +323,7 @@ def _check(
                 poll_interval=poll_interval,
                 serial=serial,
                 pair=same_rank if world is None else world_pair,
-                linger=linger,
+                linger=options.steps_after_divergence,
             )
     finally:
         for run in all_runs:
@@ -485,12 +362,12 @@ def _check(
     reason: str | None = None
     located_in: Path | None = None
     if first is not None and world is not None:  # op traces of different splits do not align
-        reason = world.divergence_reason(first)
+        reason = world_divergence_reason(world, first)
         notes.append(WORLD_NOT_LOCATED)
     elif first is not None and first.final_state:  # no recorded step differs: nothing to trace
         reason = final_state_reason(first, covered, unrecorded=bool(unranked))
         notes.append(FINAL_NOT_LOCATED)
-    elif first is not None and first.kind == "compute" and locate:
+    elif first is not None and first.kind == "compute" and options.locate:
         if progress is not None:
             progress(CheckProgress(phase="locating", steps=()))
         with terminate_on_signals():  # SIGTERM while locating ends the traced re-runs too

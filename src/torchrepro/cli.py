@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from torchrepro._version import __version__
 from torchrepro.errors import ReproError
+from torchrepro.options import VARY_CHOICES, CheckOptions
 from torchrepro.verdict import describe_check, describe_comparison
 
 if TYPE_CHECKING:
@@ -127,7 +128,6 @@ def _integer(minimum: int, what: str, maximum: int | None = None) -> Callable[[s
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    from torchrepro.check import VARY_CHOICES
     from torchrepro.flags import MODES
     from torchrepro.seeding import MAX_SEED
 
@@ -428,28 +428,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
                 last_line_at[0] = now
         print(("\r" + line + "\033[K") if tty else line, file=sys.stderr, end="" if tty else "\n", flush=True)
 
-    result = check_script(
-        script,
-        rest,
-        module=module,
-        runs=args.runs,
-        steps=args.steps,
-        nproc=args.nproc,
-        seed=args.seed,
-        mode=args.mode,
-        threads=args.threads,
-        cpu_capability=args.cpu_capability,
-        no_seed=args.no_seed,
-        vary=args.vary,
-        portable=args.portable,
-        locate=not args.no_locate,
-        serial=args.serial,
-        isolate=not args.no_isolate,
-        progress=progress,
-        steps_after_divergence=REPORT_STEPS_AFTER if args.report is not None else 0,
-        repro=args.repro,
-        repro_threads=args.report is not None,  # the report shows the op under both thread counts
-    )
+    result = check_script(script, rest, module=module, options=check_options(args), progress=progress)
     if tty:
         print(file=sys.stderr)
     verdict = result.to_dict()
@@ -471,11 +450,39 @@ def _cmd_check(args: argparse.Namespace) -> int:
     elif result.error is None:
         print("\n".join(describe_check(result)))
     print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
-    if result.error is not None:
-        return EXIT_USAGE
-    if result.inconclusive:
-        return EXIT_INCONCLUSIVE
-    return EXIT_OK if result.reproducible else EXIT_FINDINGS
+    return result.outcome.exit_code
+
+
+def check_options(args: argparse.Namespace) -> CheckOptions:
+    """The ``CheckOptions`` of ``torchrepro check``'s parsed flags: a flag sets the field of its name,
+    ``--no-X`` clears ``X``, and ``--report`` asks for the steps after a divergence and, under
+    ``--vary threads``, the located op under both thread counts (the page shows them)."""
+    same = {name: getattr(args, name) for name in CheckOptions.fields() if name in CHECK_FLAGS}
+    report = args.report is not None
+    return CheckOptions(
+        **same,
+        locate=not args.no_locate,
+        isolate=not args.no_isolate,
+        steps_after_divergence=REPORT_STEPS_AFTER if report else 0,
+        repro_threads=report,
+    )
+
+
+CHECK_FLAGS = (
+    "runs",
+    "steps",
+    "nproc",
+    "seed",
+    "mode",
+    "threads",
+    "cpu_capability",
+    "no_seed",
+    "vary",
+    "portable",
+    "serial",
+    "repro",
+)
+"""``CheckOptions`` fields that a ``torchrepro check`` flag of the same name sets as it is."""
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -502,9 +509,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _render_env_differences(data["env_differences"])
         if result.coverage is not None:
             print(lines[-1])
-    if result.reproducible is None:
-        return EXIT_INCONCLUSIVE
-    return EXIT_OK if result.reproducible else EXIT_FINDINGS
+    return result.outcome.exit_code
 
 
 def _render_env_differences(differences: list[dict[str, Any]]) -> None:

@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchrepro.check import CheckResult
+    from torchrepro.results import CheckResult
 
 __all__ = [
     "CheckpointError",

@@ -25,48 +25,16 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torchrepro._child.overlay import Overlay, below, submounts
 from torchrepro._child.writes import read_writes
 from torchrepro.launch import spawn
+from torchrepro.results import Isolation
 from torchrepro.runrecord import FILES_DELETED, FILES_DIR
 
-__all__ = ["Isolation", "Layers", "describe_shared", "probe", "shared_writes"]
-
-
-@dataclass(frozen=True)
-class Isolation:
-    """How a check's runs were kept apart: ``mode`` ``"overlay"`` (each run saw the working
-    directory ``root`` as the check found it plus its own writes, kept in its record's
-    ``FILES_DIR``) or ``"none"`` (``reason`` says why); ``user_namespace``: the overlay was mounted
-    in a user namespace (not root)."""
-
-    mode: str
-    root: str
-    reason: str | None = None
-    user_namespace: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """The verdict's ``isolation`` object."""
-        return {
-            "mode": self.mode,
-            "root": self.root,
-            "user_namespace": self.user_namespace,
-            "reason": self.reason,
-        }
-
-    def describe(self) -> str:
-        """One line for the human report."""
-        if self.mode == "overlay":
-            how = "a user namespace" if self.user_namespace else "a private mount namespace"
-            return (
-                f"each run wrote to its own copy-on-write overlay of {self.root} ({how}); "
-                f"their files are in run<i>/{FILES_DIR}/"
-            )
-        return f"the runs shared {self.root}: {self.reason}"
+__all__ = ["Layers", "describe_shared", "probe", "shared_writes"]
 
 
 def _layer_base(root: str) -> str | None:

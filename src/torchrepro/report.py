@@ -35,22 +35,16 @@ from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
 from torchrepro._io import atomic_write_bytes
-from torchrepro.compare import (
-    env_difference_dict,
-    environment_differences,
-    leaf_difference,
-    recorded_numbers,
-    setting_differences,
-    tensor_difference,
-)
+from torchrepro.compare.differences import leaf_difference, recorded_numbers, tensor_difference
+from torchrepro.compare.settings import env_difference_dict, environment_differences, setting_differences
 from torchrepro.errors import ReproError, SettingsError
 from torchrepro.events import FINAL_KEY, describe_name, is_step, world_invariant
+from torchrepro.results import Outcome
 from torchrepro.runrecord import RunRecord
 from torchrepro.verdict import describe_check, describe_comparison, describe_divergence, describe_final_state
 
 if TYPE_CHECKING:
-    from torchrepro.check import CheckResult
-    from torchrepro.compare import Comparison, Divergence, TensorDifference
+    from torchrepro.results import CheckResult, Comparison, Divergence, TensorDifference
 
 __all__ = [
     "GENERATOR",
@@ -269,8 +263,11 @@ class ReportData:
     """Everything a report page shows (``render_report`` turns it into HTML)."""
 
     title: str
+    outcome: str
+    """The verdict's ``Outcome`` (its value): the badge's colour."""
     status: str
-    """``reproducible``, ``not reproducible``, ``inconclusive`` or ``failed``."""
+    """The outcome in the command's words: ``reproducible``/``identical``, ``not reproducible``/``not
+    identical``, ``inconclusive`` or ``failed``."""
     headline: tuple[str, ...]
     command: tuple[str, ...] = ()
     divergence: dict[str, Any] | None = None
@@ -293,12 +290,6 @@ class ReportData:
         d = asdict(self)
         d["format"] = REPORT_FORMAT
         return d
-
-
-def _status(reproducible: bool | None, *, error: str | None = None) -> str:
-    if error is not None:
-        return "failed"
-    return "inconclusive" if reproducible is None else "reproducible" if reproducible else "not reproducible"
 
 
 def source_excerpt(location: str | None, cwd: str | None) -> SourceExcerpt | None:
@@ -402,7 +393,8 @@ def check_report_data(result: CheckResult) -> ReportData:
         threads.update(repro_script=result.repro.script, repro_output=result.repro.output)
     return ReportData(
         title=f"torchrepro check: {_shown_target(argv)}",
-        status=_status(result.reproducible, error=result.error),
+        outcome=result.outcome.value,
+        status=result.outcome.words(),
         headline=headline,
         command=argv,
         divergence=divergence,
@@ -432,7 +424,8 @@ def compare_report_data(
     commands = tuple(c for c in (_command(r)[0] for r in (run_a, run_b)) if c)
     return ReportData(
         title=f"torchrepro compare: {os.fspath(run_a)} vs {os.fspath(run_b)}",
-        status=_status(result.reproducible).replace("reproducible", "identical"),
+        outcome=result.outcome.value,
+        status=result.outcome.words(runs="identical"),
         headline=tuple(describe_comparison(result)),
         command=argv,
         divergence=divergence,
@@ -442,7 +435,7 @@ def compare_report_data(
         series=series,
         settings=tuple(d.describe() for d in result.setting_differences),
         commands=commands if len(set(commands)) > 1 else (),
-        environment=tuple(env_difference_dict(d, result.setting_differences) for d in result.env_differences),
+        environment=result.environment,
         notes=result.notes,
         records=(os.fspath(run_a), os.fspath(run_b)),
         verdict=result.to_dict(),
@@ -497,13 +490,11 @@ def _threads_section(
 # --------------------------------------------------------------------------------------------
 
 _COLORS = ("#c0392b", "#2471a3", "#7d3c98", "#1e8449", "#b9770e", "#566573")
-_STATUS_COLORS = {
-    "reproducible": "#1e8449",
-    "identical": "#1e8449",
-    "not reproducible": "#c0392b",
-    "not identical": "#c0392b",
-    "inconclusive": "#b9770e",
-    "failed": "#566573",
+_OUTCOME_COLORS = {
+    Outcome.REPRODUCIBLE: "#1e8449",
+    Outcome.DIVERGED: "#c0392b",
+    Outcome.INCONCLUSIVE: "#b9770e",
+    Outcome.FAILED: "#566573",
 }
 
 _CSS = """
@@ -863,7 +854,7 @@ def _environment_section(data: ReportData) -> str:
 
 def render_report(data: ReportData) -> str:
     """The report page of ``data``: one self-contained HTML document."""
-    color = _STATUS_COLORS.get(data.status, "#566573")
+    color = _OUTCOME_COLORS[Outcome(data.outcome)]
     headline = "\n".join(data.headline)
     notes = "".join(f"<li>{_e(n)}</li>" for n in data.notes)
     error = ""

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchrepro.check import CheckResult
-from torchrepro.compare import Coverage, Divergence
 from torchrepro.errors import ReproAssertionError
+from torchrepro.results import Coverage, Divergence
 from torchrepro.testing.report import report_name, write_report
 
 

@@ -26,28 +26,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, overload
 
-from torchrepro.check import CheckResult, check_script
+from torchrepro.check import check_script
 from torchrepro.errors import ReproAssertionError
+from torchrepro.options import ASSERT_OPTIONS, CheckOptions
+from torchrepro.results import CheckResult, Outcome
 from torchrepro.testing.runner import LATER, RUNNER_NAME, FunctionCall, function_call, write_runner
 from torchrepro.verdict import describe_check
 
 __all__ = ["CHECK_OPTIONS", "Checker", "assert_reproducible", "check_call", "failure_message"]
 
-CHECK_OPTIONS = (
-    "cpu_capability",
-    "isolate",
-    "locate",
-    "mode",
-    "no_seed",
-    "nproc",
-    "portable",
-    "root",
-    "seed",
-    "serial",
-    "threads",
-)
-"""The keyword options of ``assert_reproducible`` beyond ``steps``, ``vary`` and ``runs``: those of
-``check.check_script`` (``torchrepro check``'s options), passed through unchanged."""
+CHECK_OPTIONS = ASSERT_OPTIONS
+"""The keyword options of ``assert_reproducible`` beyond ``steps``, ``vary`` and ``runs``: fields of
+``CheckOptions`` (``torchrepro check``'s options), passed through unchanged."""
 
 Target = str | os.PathLike[str] | Callable[..., Any]
 """A script path, ``"-m package.module"``, or a module-level function."""
@@ -134,7 +124,7 @@ def _options(options: Mapping[str, Any]) -> dict[str, Any]:
 def failure_message(name: str, vary: Variation, result: CheckResult) -> str:
     """The message of a failed ``assert_reproducible``: the verdict, its notes, the records."""
     who = name + (f" (vary={vary!r})" if vary is not None else "")
-    if result.error is not None:
+    if result.outcome is Outcome.FAILED:
         failed = "" if result.shared_writes else "the training failed: "
         lines = [f"{who}: {failed}{result.error}"]
         if result.stderr_tail:
@@ -143,15 +133,11 @@ def failure_message(name: str, vary: Variation, result: CheckResult) -> str:
     else:
         head, *rest = describe_check(result)
         lines = [f"{who}: {head}", *rest]
-        if result.inconclusive:
+        if result.outcome is Outcome.INCONCLUSIVE:
             lines.append("  an inconclusive check fails: a pass needs training compared and found identical")
     lines += [f"  note: {note}" for note in result.notes]
     lines.append(f"  records: {result.check_dir}")
     return "\n".join(lines)
-
-
-def _passed(result: CheckResult) -> bool:
-    return result.error is None and result.reproducible is True
 
 
 def _run(
@@ -168,6 +154,7 @@ def _run(
     check_options = _options(options)
     if workdir is not None:
         check_options.setdefault("root", workdir / "checks")
+    base = CheckOptions.build(runs=runs, steps=steps, **check_options)
     results: list[CheckResult] = []
     with ExitStack() as stack:
         directory = "."
@@ -188,16 +175,13 @@ def _run(
                 script,
                 launch.argv,
                 module=launch.module,
-                runs=runs,
-                steps=steps,
-                vary=None if isinstance(v, Mapping) else v,
+                options=base.replace(vary=None if isinstance(v, Mapping) else v),
                 later_args=later,
-                **check_options,
             )
             if isinstance(v, Mapping):
                 result = replace(result, varied=_variant_text(v))
             results.append(result)
-            if not _passed(result):
+            if not result.outcome.passed:
                 raise ReproAssertionError(
                     failure_message(launch.name, v, result),
                     target=launch.name,

@@ -67,7 +67,7 @@ def write_report(directory: str | os.PathLike[str], test_id: str, failure: Repro
     atomic_write_bytes(paths[1], f"{test_id}\n{failure}\n".encode())
     from torchrepro.report import write_check_report
 
-    failed = [r for r in failure.results if r.reproducible is not True]
+    failed = [r for r in failure.results if not r.outcome.passed]
     for k, result in enumerate(failed):
         paths.append(
             write_check_report(out / (f"{name}.html" if len(failed) == 1 else f"{name}-{k}.html"), result)

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from torchrepro import runrecord
 from torchrepro.errors import EnvFileError, SettingsError
+from torchrepro.results import Repro
 from torchrepro.tracing.compare import _load_trace, compare_traces, draws_randomness
 from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES, OpDivergence
 
@@ -65,28 +66,6 @@ class Target:
     rank: int
     traces: Path
     threads: tuple[int, int] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Repro:
-    """What ``check --repro`` wrote: ``script`` and ``inputs`` in ``directory``, calling ``op`` once
-    per entry of ``calls`` (a thread count); ``reproduces`` says whether the script, run once in a
-    fresh process by the check, showed the difference (None: it did not finish)."""
-
-    directory: str
-    script: str
-    inputs: str
-    op: str
-    calls: tuple[int, ...]
-    reproduces: bool | None
-    output: str = ""
-    """What the script printed when the check ran it (the op's outputs compared call by call)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """The ``repro`` object of the ``check --json`` verdict."""
-        d = dataclasses.asdict(self)
-        d["calls"] = list(self.calls)
-        return d
 
 
 def prepare_dir(path: str | os.PathLike[str]) -> Path:
