@@ -245,6 +245,54 @@ def test_backward_finding_points_at_the_forward_call(rng_changes_ok: None) -> No
     assert "recorded in backward" in finding.message and finding.severity == "error"
 
 
+def test_one_finding_per_op_and_line_naming_every_module_that_ran_it(rng_changes_ok: None) -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool = nn.AdaptiveAvgPool2d(2)
+            self.head = nn.AdaptiveAvgPool2d(3)
+            self.conv = nn.Conv2d(1, 1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.conv(x) + self.pool(x).mean()  # pool-line
+            return x + self.head(x).mean()  # head-line
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    net = Net()
+    findings = audit_ops(_record(lambda: net(_x(1, 1, 6, 6)).sum().backward()))
+    lines = Path(__file__).read_text().splitlines()
+    pool, head = (
+        "tests/audit/test_audit_op_rules.py:" + str(next(n for n, t in enumerate(lines, 1) if t.endswith(m)))
+        for m in ("# pool-line", "# head-line")
+    )
+    # one error per line, each naming the four blocks' modules; a second line is a second finding
+    assert [(f.code, f.severity, f.location, f.module) for f in findings if f.code == "TR102"] == [
+        ("TR102", "error", pool, "blocks.[0-3].pool (4 modules)"),
+        ("TR102", "error", head, "blocks.[0-3].head (4 modules)"),
+    ]
+    (conv,) = [f for f in findings if f.code == "TR120"]  # one info per entry: the modules at its line
+    assert (conv.location, conv.module) == (pool, "blocks.[0-3].conv (4 modules)")
+
+
+def test_a_line_is_an_error_when_any_of_its_calls_meets_the_condition() -> None:
+    unknown = {**_ev("aten.bincount.default", "t.py:4"), "module": "a"}
+    weighted = {**_ev("aten.bincount.default", "t.py:4", args=["x", "w", 0]), "module": "b"}
+    unweighted = {**_ev("aten.bincount.default", "t.py:4", args=["x", None, 0]), "module": "c"}
+    (finding,) = audit_ops([unknown, weighted, unweighted])
+    assert (finding.severity, finding.module) == ("error", "a, b (2 modules)")  # c's call is fine
+    (unsure,) = audit_ops([unknown, unweighted])
+    assert (unsure.severity, unsure.module) == ("warning", "a")
+
+
 # --------------------------------------------------------------------------------------------
 # audit_ops on given events
 

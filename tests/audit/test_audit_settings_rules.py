@@ -421,3 +421,56 @@ def test_a_dataset_draw_is_reported_at_the_line_that_draws() -> None:
     # control: without a traced line, the loader's line (as before)
     (plain,) = audit_settings(_settings(dataloaders=[_loader(probe=_draws("random"))], seeded=_UNSEEDED))
     assert plain.location == "train.py:9" and "DataLoader at" not in plain.message
+
+
+# --------------------------------------------------------------------------------------------
+# One finding per cause: records of one line (a loop, a helper, each process) are one finding
+
+
+def test_loaders_made_at_one_line_are_one_finding_per_code() -> None:
+    shuffling = _loader(shuffle=True, num_workers=2, random_hint="RandomCrop")
+    train, val = {**shuffling, "dataset": "Train"}, {**shuffling, "dataset": "Val", "pid": 2}
+    found = audit_settings(_settings(dataloaders=[train, val, train]))
+    assert [(f.code, f.location) for f in found] == [("TR301", "train.py:9"), ("TR303", "train.py:9")]
+    assert all(
+        f.message.endswith(
+            "This finding covers the 3 DataLoaders created at train.py:9 (datasets Train, Val)."
+        )
+        for f in found
+    )
+    # control: a loader made at another line is another cause, with its own findings
+    other = {**train, "location": "train.py:30"}
+    found = audit_settings(_settings(dataloaders=[train, other]))
+    assert [(f.code, f.location) for f in found] == [
+        ("TR301", "train.py:30"),
+        ("TR301", "train.py:9"),
+        ("TR303", "train.py:30"),
+        ("TR303", "train.py:9"),
+    ]
+    assert not any("covers" in f.message for f in found)
+
+
+def test_a_draw_two_loaders_reach_is_one_finding_at_the_drawing_line() -> None:
+    probe = {**_draws("random"), "sites": {"random": "data.py:20"}}
+    loaders = [_loader(probe=probe), _loader(probe=probe, location="train.py:12")]
+    (finding,) = audit_settings(_settings(dataloaders=loaders, seeded={**_SEEDED, "random": False}))
+    assert (finding.code, finding.location) == ("TR304", "data.py:20")
+    assert finding.message.endswith("covers the 2 DataLoaders created at train.py:9, train.py:12.")
+
+
+def test_compile_calls_at_one_line_are_one_finding_counting_them() -> None:
+    calls = [{"backend": "inductor", "location": "train.py:5"}] * 3 + [{"location": "train.py:8"}]
+    found = audit_settings(_settings(compile_calls=calls, deterministic_algorithms=False))
+    assert [(f.code, f.location) for f in found] == [("TR401", "train.py:5"), ("TR401", "train.py:8")]
+    assert "(3 calls at this line)" in found[0].message and "calls at this line" not in found[1].message
+
+
+def test_a_seed_every_process_draws_at_one_line_is_one_finding() -> None:
+    call = {"call": "random.seed", "rng": "random", "location": "train.py:3", "source": "the current time"}
+    (finding,) = audit_settings(_settings(tainted_seeds=[call, call]))  # e.g. from two spawned ranks
+    assert (finding.code, finding.location) == ("TR305", "train.py:3")
+    # two seeding calls on one line: one finding that says both
+    numpy = {**call, "call": "np.random.seed", "rng": "numpy"}
+    (both,) = audit_settings(_settings(tainted_seeds=[call, numpy]))
+    assert "random.seed seeds Python's global random" in both.message
+    assert "Also here: np.random.seed seeds NumPy's global RNG" in both.message

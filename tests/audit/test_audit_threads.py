@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,6 +136,34 @@ def test_audit_threads_gives_one_info_per_op_and_site_with_its_facts() -> None:
     assert "also under --portable" in found[0].message and "Pin the thread count" in found[0].fix
     assert "(in backward; the location is its forward call)" in found[1].message
     assert audit_threads(events) == found  # OpEvent objects as well as their dicts
+
+
+def test_layer_norms_run_at_one_line_are_one_finding_naming_them_all() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(8), nn.LayerNorm(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x + self.norm1(x)  # norm1-line
+            return x + self.norm2(x)  # norm2-line
+
+    blocks = nn.Sequential(*(Block() for _ in range(5)))
+    with OpRecorder(facts=facts) as recorder:
+        blocks(_x(4, 3, 8)).sum().backward()
+    lines = Path(__file__).read_text().splitlines()
+    norm1, norm2 = (
+        "tests/audit/test_audit_threads.py:" + str(next(n for n, t in enumerate(lines, 1) if t.endswith(m)))
+        for m in ("# norm1-line", "# norm2-line")
+    )
+    found = audit_threads(recorder.events)
+    # control: the recording has one event per module (the report used to list one finding each)
+    assert len({e.module for e in recorder.events if e.facts}) == 10
+    assert [(f.code, f.location, f.module) for f in found] == [
+        ("TR602", norm1, "[0-4].norm1 (5 modules)"),
+        ("TR602", norm2, "[0-4].norm2 (5 modules)"),
+    ]
+    assert found[0].message.endswith("Here: weight/bias gradients summed over 12 rows.")
 
 
 def test_the_report_lists_thread_findings_and_facts_survive_the_record() -> None:

@@ -1,8 +1,9 @@
 """`torchrepro audit` end to end: real scripts run in a real child process through the bootstrap.
 
 Each script runs once (about one torch start-up each): a net with three ops that raise under
-strict mode on CUDA, a plain CNN (negative control: no error, exit 0), a script with bad
-settings, and a failing script.
+strict mode on CUDA, a plain CNN (negative control: no error, exit 0), twelve blocks running
+one ``forward`` (one finding per op and line, naming the modules), a script with bad settings,
+and a failing script.
 """
 
 from __future__ import annotations
@@ -67,6 +68,33 @@ def test_flagged_ops_name_op_module_and_forwardline_of(
     codes = {f["code"] for f in report["findings"]}
     assert "TR208" not in codes and "TR207" not in codes  # the script seeds and pins its threads
     assert "TR201" in codes  # but hash randomisation stays on: only the launcher can fix it
+
+
+def test_one_finding_per_op_and_line_naming_every_module(
+    capsys: pytest.CaptureFixture[str], plain_shell: None
+) -> None:
+    script = SCRIPTS / "blocks.py"
+    code, report = _audit_json(capsys, relative(script))
+    assert code == 1  # the pooling has no deterministic backward on CUDA
+    findings = report["findings"]
+    causes = [(f["code"], f["op"], f["location"]) for f in findings]
+    assert len(causes) == len(set(causes)), causes  # one finding per code, op and line
+    layer_norms = {f["location"]: f["module"] for f in findings if f["code"] == "TR602"}
+    # the twelve blocks' norms run at two lines of Block.forward; the last norm at a line of its own
+    assert layer_norms == {
+        line_of(script, "self.attn(self.norm1(x))"): "blocks.[0-11].norm1 (12 modules)",
+        line_of(script, "self.mlp(self.norm2(x))"): "blocks.[0-11].norm2 (12 modules)",
+        line_of(script, "self.head(self.norm(x)"): "norm",
+    }
+    pooling = [(f["severity"], f["location"], f["module"]) for f in findings if f["code"] == "TR102"]
+    assert pooling == [("error", line_of(script, "self.pool(x.transpose"), "blocks.[0-11].pool (12 modules)")]
+    (shuffle,) = [f for f in findings if f["code"] == "TR303"]  # both loaders come from make_loader's line
+    made = line_of(script, "return DataLoader(")
+    assert shuffle["location"] == made
+    assert shuffle["message"].endswith(f"This finding covers the 2 DataLoaders created at {made}.")
+    for f in findings:  # the JSON shape is as it was: module a string or null
+        assert set(f) == {"code", "severity", "op", "module", "location", "message", "fix"}
+        assert f["module"] is None or isinstance(f["module"], str)
 
 
 def test_clean_cnn_exits_0_with_no_error(capsys: pytest.CaptureFixture[str], plain_shell: None) -> None:

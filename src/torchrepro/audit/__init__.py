@@ -4,7 +4,8 @@
   ``audit.op_rules`` (recorded ops -> findings), ``audit.threads`` (CPU ops whose result depends
   on the thread count: the facts the recorder notes, TR6xx), ``audit.settings_rules`` (one rule
   per settings finding code), ``audit.loader_rules`` (DataLoaders and seeds), ``audit.findings``
-  (``Finding``, the order of a report) and ``audit.report`` (``AuditReport``: every rule applied).
+  (``Finding``, one finding per cause: code, op and location, the order of a report) and
+  ``audit.report`` (``AuditReport``: every rule applied).
 - ``audit.settings``: ``ProbeSettings``, what the child's probe saw, as the rules take it.
 - ``audit.runner``: ``audit_script`` runs the script through the child bootstrap and applies them.
 - The child-side probe is ``torchrepro._child.probe`` (``SettingsProbe``).

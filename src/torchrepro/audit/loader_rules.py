@@ -13,16 +13,20 @@ Invariants:
 - TR304 points at the line of ``__getitem__`` that draws (the probe's ``sites``), naming the
   loader's line in its message; at the loader's line when the probe could not trace the draw.
   The loader's other findings point at the loader.
+- One finding per code and line (``dataloader_findings``): the loaders made at one line (each
+  epoch, a helper called for training and validation, each process of a run) share a cause, and
+  their findings are one, saying how many loaders it covers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torchrepro.audit.findings import Finding, settings_finding
 
-__all__ = ["loader_findings", "tainted_seed_finding"]
+__all__ = ["dataloader_findings", "loader_findings", "tainted_seed_finding"]
 
 
 _RNG_NAMES = {
@@ -194,6 +198,33 @@ def loader_findings(loader: Mapping[str, Any], seeded: Mapping[str, Any] | None 
             )
             fix = "Pass generator=torch.Generator().manual_seed(seed), or use torchrepro.SeededLoader."
         out.append(settings_finding("TR303", "info", message, _with_framework(fix, loader), location))
+    return out
+
+
+def dataloader_findings(
+    loaders: Iterable[Mapping[str, Any]], seeded: Mapping[str, Any] | None = None
+) -> list[Finding]:
+    """Findings for every DataLoader the probe saw, one per code and line: those of the loaders
+    made at one line are one finding (the first loader's), which says how many loaders, and which
+    datasets when they differ, it covers. A loader's own ``seeded`` (one of another process than
+    the judged one) is used over ``seeded``.
+    """
+    groups: dict[tuple[str, str | None], list[tuple[Finding, Mapping[str, Any]]]] = {}
+    for loader in loaders:
+        for f in loader_findings(loader, loader.get("seeded", seeded)):
+            groups.setdefault((f.code, f.location), []).append((f, loader))
+    out = []
+    for group in groups.values():
+        first = group[0][0]
+        if len(group) > 1:
+            made = list(
+                dict.fromkeys(str(loader.get("location") or "an unknown line") for _, loader in group)
+            )
+            datasets = list(dict.fromkeys(str(loader.get("dataset") or "?") for _, loader in group))
+            note = f" This finding covers the {len(group)} DataLoaders created at {', '.join(made)}"
+            note += f" (datasets {', '.join(datasets)})." if len(datasets) > 1 else "."
+            first = dataclasses.replace(first, message=first.message + note)
+        out.append(first)
     return out
 
 

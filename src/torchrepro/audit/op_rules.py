@@ -8,8 +8,10 @@ Invariants:
   it cannot decide never yields an error: the finding is a warning that says what is unknown.
 - Findings for a backward op carry the module and source line of the forward call that created
   it (the recorder's location), never ``loss.backward()``.
-- Ops that raise under strict mode on CUDA give one finding per op and call site; ops that strict
-  mode makes deterministic give one ``info`` per table entry; ops not in the table give nothing.
+- Ops that raise under strict mode on CUDA give one finding per op and call site, whatever the
+  number of modules that ran it there (a line in a block's ``forward`` runs in every block):
+  ``module`` names them all; ops that strict mode makes deterministic give one ``info`` per table
+  entry, at the first site, naming the modules there; ops not in the table give nothing.
 - ``table_findings``: the table is for another release (TR001), or lacks documented items (TR002).
 """
 
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from torchrepro.audit.findings import Finding, sort_key
+from torchrepro.audit.findings import Finding, name_modules, sort_key
 from torchrepro.audit.optable import _Entry, _load_table, _OpSpec
 from torchrepro.errors import TraceError
 
@@ -235,6 +237,20 @@ def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence
 _PER_SITE = ("raises", "unguarded")  # sections reported per op and call site, as errors
 
 
+@dataclasses.dataclass
+class _Group:
+    """The recorded calls one finding covers: its entry, the op and location it shows, and the
+    modules that ran it there, whether each call's condition was unknown, the ops and sites."""
+
+    entry: _Entry
+    op: str
+    location: str | None
+    modules: dict[str | None, None] = dataclasses.field(default_factory=dict)
+    unsure: list[bool] = dataclasses.field(default_factory=list)
+    ops: dict[str, None] = dataclasses.field(default_factory=dict)
+    sites: set[tuple[str | None, bool]] = dataclasses.field(default_factory=set)
+
+
 def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ()) -> list[Finding]:
     """Findings for recorded op events (``OpEvent`` objects or their ``to_dict()`` dicts).
 
@@ -244,9 +260,9 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
 
     Ops that raise under strict mode on CUDA, or that it does not stop although they stay
     nondeterministic (``unguarded``, measured), give one ``error`` per op
-    and call site (a ``warning`` when a condition of the table cannot be checked from the
-    recording); ops that strict mode makes deterministic give one ``info`` per table entry. Ops not
-    in the table give nothing.
+    and call site (a ``warning`` when a condition of the table cannot be checked from any of its
+    calls), naming every module that ran it there; ops that strict mode makes deterministic give
+    one ``info`` per table entry. Ops not in the table give nothing.
 
     >>> [f.code for f in audit_ops([{"op": "aten.relu.default", "module": "net.act",
     ...                               "location": "t.py:3", "backward": False}])]
@@ -260,7 +276,7 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
     by_location: dict[str | None, list[Mapping[str, Any]]] = {}
     for call in calls:
         by_location.setdefault(call.get("location"), []).append(call)
-    groups: dict[tuple[Any, ...], tuple[_Entry, _Event, list[bool], dict[str, None], set[Any]]] = {}
+    groups: dict[tuple[Any, ...], _Group] = {}
     for raw in events:
         event = as_event(raw)
         for entry, spec in by_name.get(event.name, ()):
@@ -278,28 +294,33 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
                         continue
                     uncertain = True
             op = event.name if event.overload in (None, "default") else f"{event.name}.{event.overload}"
-            if entry.section in _PER_SITE:
-                key: tuple[Any, ...] = (entry.code, op, event.module, event.location)
-            else:
-                key = (entry.code,)
-            if key not in groups:
-                groups[key] = (entry, dataclasses.replace(event, name=op), [], {}, set())
-            groups[key][2].append(uncertain)
-            groups[key][3][op] = None
-            groups[key][4].add((event.location, event.backward))
+            # the cause: an op at a line (every module that ran it there), or a table entry
+            key: tuple[Any, ...] = (
+                (entry.code, op, event.location) if entry.section in _PER_SITE else (entry.code,)
+            )
+            group = groups.setdefault(key, _Group(entry, op, event.location))
+            group.unsure.append(uncertain)
+            group.ops[op] = None
+            group.sites.add((event.location, event.backward))
+            if event.location == group.location:
+                group.modules[event.module] = None
     findings = []
-    for entry, event, unsure_list, ops, sites in groups.values():
-        unsure = all(unsure_list)
+    for group in groups.values():
+        entry = group.entry
+        unsure = all(group.unsure)
         severity = ("warning" if unsure else "error") if entry.section in _PER_SITE else "info"
+        sites = group.sites
         phases = {backward for _, backward in sites}
         findings.append(
             Finding(
                 code=entry.code,
                 severity=severity,
-                op=event.name,
-                module=event.module,
-                location=event.location,
-                message=_op_message(entry, phases, unsure, list(ops), len({loc for loc, _ in sites})),
+                op=group.op,
+                module=name_modules(group.modules),
+                location=group.location,
+                message=_op_message(
+                    entry, phases, unsure, list(group.ops), len({loc for loc, _ in group.sites})
+                ),
                 fix=entry.fix,
             )
         )

@@ -2,8 +2,9 @@
 
 Invariants:
 - ``report`` applies the table rules (TR001/TR002), the op rules, the thread rules (TR6xx, from
-  the facts the recorder noted) and, when the probe wrote its record, the settings rules, and
-  lists the findings by ``findings.sort_key``; it runs nothing.
+  the facts the recorder noted) and, when the probe wrote its record, the settings rules, keeps
+  one finding per cause (code, op and location: ``findings.collapse``) and lists the findings by
+  ``findings.sort_key``; it runs nothing.
 - ``AuditReport.to_dict()`` is the object ``audit --json`` prints: ``findings`` (each with the
   keys of ``Finding.to_dict()``), ``script``, ``steps``, ``optimizer_steps``, ``ops_recorded``,
   ``torch_version``, ``table_release`` and ``settings`` (``ProbeSettings.to_dict()``, ``{}`` when
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchrepro.audit.findings import Finding, sort_key
+from torchrepro.audit.findings import Finding, collapse, sort_key
 from torchrepro.audit.op_rules import as_event, audit_ops, table_findings
 from torchrepro.audit.optable import _load_table
 from torchrepro.audit.settings import ProbeSettings
@@ -82,8 +83,9 @@ class AuditReport:
 
 
 def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSettings | None) -> AuditReport:
-    """The audit report of a run: table, op, thread and settings findings, most severe first
-    (``settings`` None: the probe wrote nothing, and no setting is judged)."""
+    """The audit report of a run: table, op, thread and settings findings, one per code, op and
+    location, most severe first (``settings`` None: the probe wrote nothing, and no setting is
+    judged)."""
     calls = settings.calls if settings is not None else ()
     findings = table_findings() + audit_ops(events, calls=calls) + audit_threads(events)
     if settings is not None:
@@ -92,7 +94,7 @@ def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSet
     return AuditReport(
         backward_steps=settings.backward_steps if settings is not None else None,
         processes=tuple(processes(settings)) if settings is not None else (),
-        findings=tuple(sorted(findings, key=sort_key)),
+        findings=tuple(sorted(collapse(findings), key=sort_key)),
         script=script,
         steps=steps,
         optimizer_steps=steps_done if isinstance(steps_done, int) else None,

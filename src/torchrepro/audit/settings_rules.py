@@ -7,8 +7,9 @@ Invariants:
 - The recorded ops decide which settings matter (``_Run``): the CUBLAS variable only when cuBLAS
   ops ran, deterministic mode only when ops that need it ran, cuDNN's TF32 only when the script
   convolves.
-- Loader and seed records are judged by ``audit.loader_rules``; findings are sorted by
-  ``findings.sort_key``.
+- Loader and seed records are judged by ``audit.loader_rules``; findings are one per code and
+  location (a rule's records of one line, from a loop or from each process, are one cause:
+  ``findings.collapse``), sorted by ``findings.sort_key``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from torchrepro.audit.findings import Finding, settings_finding, sort_key
-from torchrepro.audit.loader_rules import loader_findings, tainted_seed_finding
+from torchrepro.audit.findings import Finding, collapse, settings_finding, sort_key
+from torchrepro.audit.loader_rules import dataloader_findings, tainted_seed_finding
 from torchrepro.audit.op_rules import as_event, audit_ops
 from torchrepro.audit.optable import _load_table
 from torchrepro.audit.settings import ProbeSettings
@@ -376,13 +377,9 @@ def _unrun_switches(run: _Run) -> list[Finding]:
 
 
 def _loaders(run: _Run) -> list[Finding]:
-    """TR301-TR304, TR306: each DataLoader (``audit.loader_rules``)."""
+    """TR301-TR304, TR306: the DataLoaders, one finding per code and line (``audit.loader_rules``)."""
     # a loader of another process than the one the settings were read in carries its seeding
-    return [
-        f
-        for loader in run.settings.dataloaders
-        for f in loader_findings(loader, loader.get("seeded", run.settings.seeded))
-    ]
+    return dataloader_findings(run.settings.dataloaders, run.settings.seeded)
 
 
 def _tainted_seeds(run: _Run) -> list[Finding]:
@@ -391,27 +388,33 @@ def _tainted_seeds(run: _Run) -> list[Finding]:
 
 
 def _compile(run: _Run) -> list[Finding]:
-    """TR401: ``torch.compile`` with Inductor and without its deterministic mode, per call."""
+    """TR401: ``torch.compile`` with Inductor and without its deterministic mode, per line that
+    calls it (a call in a loop, or in each process, is one finding that counts them)."""
     settings = run.settings
     if settings.deterministic_algorithms or settings.inductor_deterministic:
         return []
-    out = []
+    lines: dict[Any, list[Mapping[str, Any]]] = {}
     for call in settings.compile_calls:
-        if (call.get("backend") or "inductor") != "inductor":
-            continue
-        mode = call.get("mode")
+        if (call.get("backend") or "inductor") == "inductor":
+            lines.setdefault(call.get("location"), []).append(call)
+    out = []
+    for location, calls in lines.items():
+        modes = [str(m) for m in dict.fromkeys(c.get("mode") for c in calls) if m]
+        autotune = [m for m in modes if "autotune" in m]
         out.append(
             settings_finding(
                 "TR401",
                 "warning",
-                "torch.compile with Inductor and without its deterministic mode: on GPU Inductor "
+                "torch.compile with Inductor and without its deterministic mode"
+                + (f" ({len(calls)} calls at this line)" if len(calls) > 1 else "")
+                + ": on GPU Inductor "
                 "benchmarks and autotunes kernels (matmul padding, templates, reduction configs) and "
                 "keeps the fastest, which can change the numerics from run to run"
-                + (f"; mode={mode!r} autotunes even more." if mode and "autotune" in str(mode) else "."),
+                + (f"; mode={autotune[0]!r} autotunes even more." if autotune else "."),
                 "Turn on deterministic algorithms (strict mode; it switches Inductor to its "
                 "deterministic mode) or set torch._inductor.config.deterministic = True "
                 "(TORCHINDUCTOR_DETERMINISTIC=1).",
-                call.get("location"),
+                location,
             )
         )
     return out
@@ -560,4 +563,4 @@ def audit_settings(settings: ProbeSettings, *, events: Iterable[Any] = ()) -> li
     True
     """
     run = _run(settings, events)
-    return sorted((f for rule in _RULES for f in rule(run)), key=sort_key)
+    return sorted(collapse(f for rule in _RULES for f in rule(run)), key=sort_key)

@@ -9,7 +9,8 @@ Invariants:
   outputs, ``scatter_add``/``index_add``/``bincount``/embedding backward) are not.
 - ``facts`` runs in the audited child, inside the op recorder, on every op: it only reads tensor
   metadata, looks an op up in one dict, and never calls an op. ``audit_threads`` is a pure function
-  of the recorded events; ``thread_entry``/``portable_removes`` name an op for ``check``'s notes.
+  of the recorded events, one finding per op and line (the modules that ran it there named in one);
+  ``thread_entry``/``portable_removes`` name an op for ``check``'s notes.
 - Imports no torch: ``check`` (the command line's parent) reads the table too.
 """
 
@@ -19,7 +20,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torchrepro.audit.findings import Finding, sort_key
+from torchrepro.audit.findings import Finding, name_modules, sort_key
 
 __all__ = ["ENTRIES", "ThreadEntry", "audit_threads", "facts", "portable_removes", "thread_entry"]
 
@@ -204,8 +205,12 @@ def portable_removes(op: str | None) -> str | None:
     return None if not op else _PORTABLE_REMOVES.get(_packet(op))
 
 
+_Modules = dict[str | None, None]  # the modules that ran an op at a line, in first-seen order
+
+
 def audit_threads(events: Iterable[Any]) -> list[Finding]:
-    """One ``info`` finding per op and call site whose recorded calls have a thread fact.
+    """One ``info`` finding per op and call site whose recorded calls have a thread fact, naming
+    every module that ran it there (``findings.name_modules``).
 
     >>> [f.code for f in audit_threads([{"op": "aten.sum.default", "module": None, "location": "t.py:3",
     ...     "backward": False, "facts": ["131072 elements reduced to one value"]}])]
@@ -213,7 +218,10 @@ def audit_threads(events: Iterable[Any]) -> list[Finding]:
     """
     from torchrepro.audit.op_rules import as_event
 
-    sites: dict[tuple[str, str, str | None, str | None], tuple[ThreadEntry, list[str], set[bool]]] = {}
+    # the cause: an op at a line, whatever the number of modules that ran it there
+    sites: dict[
+        tuple[str, str, str | None], tuple[ThreadEntry, list[str], set[bool], dict[str | None, None]]
+    ] = {}
     for raw in events:
         noted = raw.get("facts") if isinstance(raw, dict) else getattr(raw, "facts", ())
         if not noted:
@@ -223,17 +231,18 @@ def audit_threads(events: Iterable[Any]) -> list[Finding]:
         if entry is None:
             continue
         op = event.name if event.overload in (None, "default") else f"{event.name}.{event.overload}"
-        key = (entry.code, op, event.module, event.location)
-        _, seen, phases = sites.setdefault(key, (entry, [], set()))
+        key = (entry.code, op, event.location)
+        _, seen, phases, modules = sites.setdefault(key, (entry, [], set(), {}))
         seen.extend(f for f in noted if isinstance(f, str) and f not in seen)
         phases.add(event.backward)
+        modules[event.module] = None
     findings = []
-    for (code, op, module, location), (entry, seen, phases) in sites.items():
+    for (code, op, location), (entry, seen, phases, modules) in sites.items():
         where = " (in backward; the location is its forward call)" if phases == {True} else ""
         message = (
             f"{entry.title}{where}: its CPU kernel computes {entry.what} as one partial result per "
             f"thread, so the result changes with the thread count, also under --portable ({_MEASURED}); "
             f"the same thread count gives the same bits. Here: {'; '.join(seen[:3])}."
         )
-        findings.append(Finding(code, "info", op, module, location, message, entry.fix))
+        findings.append(Finding(code, "info", op, name_modules(modules), location, message, entry.fix))
     return sorted(findings, key=sort_key)
