@@ -1,4 +1,4 @@
-"""Claim: what ``--portable`` costs a CPU training step (README, "What portability costs on the CPU").
+"""Claim: what ``--portable`` costs a CPU training step (docs/guarantees.md, "What it costs").
 
 Run: ``python benchmarks/portable_cost.py [--threads 1 2] [--rounds N] [--steps N] [--parts]``.
 

@@ -83,7 +83,7 @@ def test_latest_skips_incomplete_rank_sets(tmp_path: Path) -> None:
 
 def test_latest_in_a_directory_not_made_yet_is_none_and_in_a_file_an_error(tmp_path: Path) -> None:
     """A first run resumes from nothing: ``latest_checkpoint("ckpt")`` before the first save (the
-    README's resume example) used to raise; a path that is a file still does."""
+    resume example of docs/checkpoints.md) used to raise; a path that is a file still does."""
     assert latest_checkpoint(tmp_path / "not-yet") is None
     assert not (tmp_path / "not-yet").exists()  # asking creates nothing
     (tmp_path / "a-file").write_text("x")

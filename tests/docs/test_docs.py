@@ -247,8 +247,8 @@ class _Links(html.parser.HTMLParser):
             self.links.append(url)
 
 
-def test_the_site_builds_strictly_offline_without_broken_links(tmp_path: Path) -> None:
-    site = tmp_path / "site"
+def build_site(site: Path) -> dict[Path, _Links]:
+    """Build the site strictly into ``site`` (no warning allowed); every HTML page, parsed."""
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
         cwd=ROOT,
@@ -263,6 +263,12 @@ def test_the_site_builds_strictly_offline_without_broken_links(tmp_path: Path) -
     for page in site.rglob("*.html"):  # 404.html links from the server root, for any path
         parsed[page] = _Links()
         parsed[page].feed(page.read_text())
+    return parsed
+
+
+def test_the_site_builds_strictly_offline_without_broken_links(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    parsed = build_site(site)
     broken, external = [], []
     for page, links in parsed.items():
         if page.name == "404.html":
