@@ -46,7 +46,7 @@ quick: $(STAMP)
 	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not slow"
 
 # Line and branch coverage of src/torchrepro over the whole suite, subprocesses included
-# (coverage's `patch = subprocess`); the figure goes in the README's development section.
+# (coverage's `patch = subprocess`); the figure goes in docs/development.md.
 coverage: $(STAMP)
 	rm -f .coverage .coverage.*
 	$(VENV)/bin/pytest $(PYTEST_ARGS) --cov=torchrepro --cov-branch --cov-report=term:skip-covered

@@ -105,7 +105,7 @@ def _add_portable(p: argparse.ArgumentParser) -> None:
         help="portable mode: results that do not change with the thread count or the CPU, as far as "
         f"measured: oneMKL's strict reproducibility ({CBWR_VAR}={CBWR_DEFAULT}), a fixed CPU instruction "
         "set (ATEN_CPU_CAPABILITY=avx2 on x86 with AVX2), oneDNN off; a valid value already in the "
-        "environment is kept; recorded in the run's settings (slower: see the README)",
+        "environment is kept; recorded in the run's settings (slower: see docs/run.md)",
     )
 
 
