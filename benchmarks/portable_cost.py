@@ -85,9 +85,9 @@ def worker() -> None:
     """Build every workload, then answer ``<workload> <steps>`` lines with the steps' times (JSON)."""
     import torch
 
-    from torchrepro._child.spec import ChildSpec
     from torchrepro.flags import set_determinism
     from torchrepro.portable import disable_onednn
+    from torchrepro.protocol import ChildSpec
 
     spec = ChildSpec.from_env()
     if spec.threads is not None:
@@ -134,8 +134,8 @@ def _variants(parts: bool) -> dict[str, tuple[dict[str, object], dict[str, str]]
 def _start(
     threads: int, fields: dict[str, object], extra: dict[str, str]
 ) -> tuple[subprocess.Popen[str], str]:
-    from torchrepro._child.spec import ChildSpec
     from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
+    from torchrepro.protocol import ChildSpec
 
     base = {k: v for k, v in os.environ.items() if k not in (CBWR_VAR, CPU_CAPABILITY_VAR)}
     env = ChildSpec(threads=threads, **fields).to_env(base)  # type: ignore[arg-type]

@@ -54,7 +54,7 @@ def _spelled(needles: tuple[str, ...], owner: str) -> list[str]:
 
 
 def test_only_the_child_protocol_names_torchrepro_variables() -> None:
-    assert _spelled(("TORCHREPRO_",), "torchrepro._child.spec") == []
+    assert _spelled(("TORCHREPRO_",), "torchrepro.protocol") == []
 
 
 RECORD_FILES = (
@@ -73,6 +73,19 @@ RECORD_FILES = (
 
 def test_only_runrecord_names_record_files() -> None:
     assert _spelled(RECORD_FILES, "torchrepro.runrecord") == []
+
+
+def test_only_the_protocol_spells_process_start_variables() -> None:
+    """PYTHONHASHSEED and the OpenMP/oneMKL thread counts: names a launcher sets and a run records."""
+    assert (
+        _spelled((r"^PYTHONHASHSEED$", r"^OMP_NUM_THREADS$", r"^MKL_NUM_THREADS$"), "torchrepro.protocol")
+        == []
+    )
+
+
+def test_only_runrecord_spells_the_records_root() -> None:
+    """``.torchrepro`` as a path (help texts may name it in words)."""
+    assert _spelled((r"^\.torchrepro(/|$)",), "torchrepro.runrecord") == []
 
 
 def test_the_owner_checks_can_fail() -> None:
@@ -199,7 +212,7 @@ def test_cycle_detection_can_fail(tmp_path: Path) -> None:
 
 
 CLI_LAZY = {
-    "torchrepro._child.spec",
+    "torchrepro.protocol",
     "torchrepro.portable",
     "torchrepro.audit",
     "torchrepro.check",
@@ -210,6 +223,7 @@ CLI_LAZY = {
     "torchrepro.runrecord",
     "torchrepro.report",
     "torchrepro.seeding",
+    "torchrepro.status_report",
 }
 """What the command line imports only when a command needs it (``--help`` and ``--version`` stay
 fast): a new lazy import is a decision, listed here, and the cycle test above covers it."""

@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from torchrepro import runrecord
-from torchrepro._child.spec import ENV_PREFIX, ChildSpec, python_hash_seed
 from torchrepro.check import (
     VARY_CHOICES,
     CheckResult,
@@ -29,6 +28,7 @@ from torchrepro.check import (
 )
 from torchrepro.check_runs import make_run, rank_notes, varied_workers
 from torchrepro.errors import LaunchError, SettingsError
+from torchrepro.protocol import ENV_PREFIX, ChildSpec, python_hash_seed
 from torchrepro.results import Coverage, Divergence, WorldScope
 
 BASE = ChildSpec(seed=5, mode="warn", max_steps=3)

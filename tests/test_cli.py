@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from torchrepro._child.spec import CPU_CAPABILITIES
 from torchrepro.check import VARY_CHOICES, CheckResult
 from torchrepro.cli import _script_target, build_parser, main
 from torchrepro.env import Environment
 from torchrepro.flags import MODES
+from torchrepro.protocol import CPU_CAPABILITIES
 from torchrepro.results import Coverage, Divergence
 from torchrepro.runrecord import events_path, write_env
 

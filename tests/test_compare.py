@@ -41,6 +41,7 @@ from torchrepro.verdict import (
     WORLD_NOT_LOCATED,
     coverage_inconclusive_note,
     coverage_inconclusive_reason,
+    describe_setting,
     world_divergence_reason,
 )
 
@@ -731,7 +732,7 @@ def test_compare_names_a_portable_difference_once_and_the_environment_it_set(tmp
     assert compare_runs(old, plain).setting_differences == ()
     # and a user's own MKL_CBWR, without --portable, is a difference of its own
     kept = make_record(tmp_path / "e", {0: training(2)}, settings=RunSettings(seed=0, MKL_CBWR="AVX2"))
-    assert [d.describe() for d in compare_runs(plain, kept).setting_differences] == [
+    assert [describe_setting(d) for d in compare_runs(plain, kept).setting_differences] == [
         "started with different MKL_CBWR: unset vs 'AVX2'"
     ]
 

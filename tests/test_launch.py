@@ -172,11 +172,11 @@ def test_relaunch_sets_the_cublas_value_flags_decides(
 ) -> None:
     """relaunch asks ``flags`` which CUBLAS_WORKSPACE_CONFIG a process starts with; it no longer decides
     itself (it set ``:4096:8`` even in mode ``off``, which leaves the variable as it is)."""
-    from torchrepro import flags, launch
+    from torchrepro import _runtime, flags, launch
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # nothing else is missing: no re-exec
     monkeypatch.delenv(CUBLAS_VAR, raising=False)
-    monkeypatch.setattr(launch, "_bootstrapped", False)
+    monkeypatch.setitem(_runtime._BOOTSTRAP, "configured", False)
     saved = flags.DeterminismFlags.capture()
     try:
         launch.relaunch(seed=1, mode=mode)

@@ -44,19 +44,14 @@ if TYPE_CHECKING:
         TraceError,
         UnsupportedDatasetError,
     )
-    from torchrepro.flags import (  # noqa: F401
-        DeterminismFlags,
-        StatusReport,
-        reproducible,
-        set_determinism,
-        status,
-    )
+    from torchrepro.flags import DeterminismFlags, reproducible, set_determinism
     from torchrepro.hashing import fingerprint
     from torchrepro.invariant import InvariantDataParallel
     from torchrepro.launch import relaunch
     from torchrepro.recorder import record
     from torchrepro.rng import RngState, fork_rng
     from torchrepro.seeding import derive_seed, seed_everything
+    from torchrepro.status_report import StatusReport, status  # noqa: F401
     from torchrepro.tracing import compare_traces, trace
 
 __all__ = [
@@ -127,8 +122,8 @@ _WHERE = {
     "DeterminismFlags": "flags",
     "reproducible": "flags",
     "set_determinism": "flags",
-    "status": "flags",
-    "StatusReport": "flags",
+    "status": "status_report",
+    "StatusReport": "status_report",
     "RngState": "rng",
     "fork_rng": "rng",
     "SeededLoader": "data",

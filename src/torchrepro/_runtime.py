@@ -7,6 +7,9 @@ Invariants:
   ``sitecustomize``) may use ``env_rank``.
 - A process's rank and world size are the initialised process group's, else ``(0, 1)``; the rank
   an environment names (``env_rank``) is a different fact, used before a group exists.
+- Whether ``torchrepro run`` configured this very process (``bootstrapped``, and whether it seeded
+  it) is noted here by the child's session (``mark_bootstrapped``) and read by ``relaunch`` and the
+  Lightning integration: the variables a run leaves in the environment do not say it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,19 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["cuda_started", "env_rank", "group_rank", "process_group"]
+__all__ = ["bootstrapped", "cuda_started", "env_rank", "group_rank", "mark_bootstrapped", "process_group"]
+
+_BOOTSTRAP = {"configured": False, "seeded": False}
+
+
+def mark_bootstrapped(*, seeded: bool) -> None:
+    """Note that torchrepro's child session configured this process (``seeded``: with a seed)."""
+    _BOOTSTRAP.update(configured=True, seeded=seeded)
+
+
+def bootstrapped(*, seeded: bool = False) -> bool:
+    """Whether torchrepro's child session configured this process (``seeded``: and seeded it)."""
+    return _BOOTSTRAP["configured"] and (_BOOTSTRAP["seeded"] or not seeded)
 
 
 def cuda_started() -> bool:

@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
-from torchrepro._child.spec import ChildSpec, python_hash_seed
 from torchrepro.check_runs import (
     CheckProgress,
     make_run,
@@ -69,6 +68,7 @@ from torchrepro.launch import (
 )
 from torchrepro.options import VARY_CHOICES, CheckOptions
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
+from torchrepro.protocol import ChildSpec, python_hash_seed
 from torchrepro.results import CheckResult, Coverage, Divergence, Isolation, WorldScope
 from torchrepro.tracing.locate import locate_in_traces
 from torchrepro.verdict import (
@@ -219,7 +219,7 @@ def check_script(
         )
         for i, n in enumerate(worlds)
     ]
-    check_dir = runrecord.new_run_dir(opts.root)
+    check_dir = runrecord.new_run_dir(runrecord.CHECKS_ROOT if opts.root is None else opts.root)
     isolation, layers = _isolation(check_dir, enabled=opts.isolate)
     repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
     try:

@@ -25,12 +25,12 @@ from typing import IO
 
 from torchrepro import runrecord
 from torchrepro._child.overlay import Overlay
-from torchrepro._child.spec import ChildSpec
 from torchrepro.compare.alignment import RankCursor, world_cursor
 from torchrepro.errors import ReproError
 from torchrepro.events import in_order, is_step
 from torchrepro.isolation import Layers
 from torchrepro.launch import kill_tree, signals_held, spawn
+from torchrepro.protocol import ChildSpec
 from torchrepro.results import Divergence
 from torchrepro.runrecord import EventTail
 

@@ -83,7 +83,7 @@ def _add_script_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_cpu_capability(p: argparse.ArgumentParser) -> None:
-    from torchrepro._child.spec import CPU_CAPABILITIES
+    from torchrepro.protocol import CPU_CAPABILITIES
 
     p.add_argument(
         "--cpu-capability",
@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="records kept of each kind (default 10)",
     )
     p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-    p.add_argument("--root", default=".torchrepro", help="the records directory (default .torchrepro)")
+    p.add_argument("--root", default=None, help="the records directory (default .torchrepro)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("env", help="the environment fingerprint, or the diff of two")
@@ -584,7 +584,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import json
 
-    from torchrepro.flags import status
+    from torchrepro.status_report import status
 
     report = status()
     print(json.dumps(report.to_dict(), indent=2) if args.json else str(report))
@@ -594,9 +594,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_clean(args: argparse.Namespace) -> int:
     import json
 
-    from torchrepro.runrecord import clean_records
+    from torchrepro.runrecord import RECORDS_ROOT, clean_records
 
-    report = clean_records(args.root, keep=args.keep, dry_run=args.dry_run)
+    report = clean_records(args.root or RECORDS_ROOT, keep=args.keep, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
         return EXIT_OK

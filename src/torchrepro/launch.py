@@ -9,7 +9,7 @@ Invariants:
   as every rank's entry point; each rank records its own events.
 - Every process a launch starts is ended with it: on a signal or an early stop the whole process
   tree is stopped, then killed (torchrun ranks and DataLoader workers included).
-- What the child does is said by one ``ChildSpec`` (``_child.spec``, the child protocol); what
+- What the child does is said by one ``ChildSpec`` (``protocol``, the child protocol); what
   the run record holds is written through ``runrecord``. ``trace_step=k`` traces the ops of
   optimizer step k into the record (one file per rank) and notes it in ``settings.json``.
 - Launchers of ranks (``torchrun``, ``-m torch.distributed.run``, ``accelerate launch``) are
@@ -33,15 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchrepro import runrecord
+from torchrepro import _runtime, runrecord
 from torchrepro._child.overlay import Overlay
-from torchrepro._child.spec import RELAUNCHED_VAR, ChildSpec, python_hash_seed
 from torchrepro._proc import descendants, exit_code, kill_tree
 from torchrepro._runtime import cuda_started
 from torchrepro.errors import LaunchError, SettingsError
 from torchrepro.flags import CUBLAS_VAR, MODES, cublas_start_value
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR, disable_onednn, start_values
 from torchrepro.portable import notes as portable_notes
+from torchrepro.protocol import (
+    HASH_SEED_VAR,
+    MKL_THREADS_VAR,
+    OMP_THREADS_VAR,
+    RELAUNCHED_VAR,
+    ChildSpec,
+    python_hash_seed,
+)
 from torchrepro.seeding import validate_seed
 
 __all__ = [
@@ -59,15 +66,6 @@ __all__ = [
     "spawn",
     "start_notes",
 ]
-
-_bootstrapped = False
-_bootstrap_seeded = False
-
-
-def _mark_bootstrapped(*, seeded: bool) -> None:
-    global _bootstrapped, _bootstrap_seeded
-    _bootstrapped = True
-    _bootstrap_seeded = seeded
 
 
 def child_env(
@@ -206,8 +204,8 @@ def run_settings(
         steps=spec.max_steps,
         vary=vary,
         run=run,
-        PYTHONHASHSEED=env.get("PYTHONHASHSEED"),
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS"),
+        PYTHONHASHSEED=env.get(HASH_SEED_VAR),
+        OMP_NUM_THREADS=env.get(OMP_THREADS_VAR),
         portable=spec.portable,
         MKL_CBWR=env.get(CBWR_VAR),
         ATEN_CPU_CAPABILITY=env.get(CPU_CAPABILITY_VAR),
@@ -396,11 +394,11 @@ def start_notes(spec: ChildSpec, base: Mapping[str, str] | None = None) -> list[
 def _start_settings_missing(seed: int, threads: int | None, portable: bool = False) -> dict[str, str]:
     """The process-start variables this process lacks, with the values it should have had."""
     missing: dict[str, str] = {}
-    hash_seed = os.environ.get("PYTHONHASHSEED", "")
+    hash_seed = os.environ.get(HASH_SEED_VAR, "")
     if not hash_seed.isdigit():
-        missing["PYTHONHASHSEED"] = str(python_hash_seed(seed))
+        missing[HASH_SEED_VAR] = str(python_hash_seed(seed))
     if threads is not None:
-        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        for key in (OMP_THREADS_VAR, MKL_THREADS_VAR):
             if os.environ.get(key) != str(threads):
                 missing[key] = str(threads)
     if portable:
@@ -431,7 +429,7 @@ def relaunch(
     seed = validate_seed(seed)
     if mode not in MODES:
         raise SettingsError(f"mode must be one of {MODES}, got {mode!r}")
-    if _bootstrapped and _bootstrap_seeded:
+    if _runtime.bootstrapped(seeded=True):
         from torchrepro.seeding import current_seed
 
         used = current_seed()

@@ -32,7 +32,8 @@ class CheckOptions:
     seeded or switched); ``vary``: what the later runs change (``VARY_CHOICES``); ``locate``: re-run
     a ``compute`` divergence's step with op tracing; ``serial``: one run at a time; ``isolate``: each
     run writes to its own copy-on-write view of the working directory; ``root``: where the check's
-    records go; ``steps_after_divergence``: let the runs go on that many steps after the first
+    records go (None: ``runrecord.CHECKS_ROOT``, ``.torchrepro/checks`` below the working
+    directory); ``steps_after_divergence``: let the runs go on that many steps after the first
     divergence (for a report's plot); ``repro``: a new or empty directory for a standalone script
     of the located op; ``repro_threads``: under ``vary="threads"``, write that script into the
     check's own directory for a report; ``poll_interval``: seconds between looks at the runs.
@@ -51,7 +52,7 @@ class CheckOptions:
     locate: bool = True
     serial: bool = False
     isolate: bool = True
-    root: str | os.PathLike[str] = ".torchrepro/checks"
+    root: str | os.PathLike[str] | None = None
     steps_after_divergence: int = 0
     repro: str | os.PathLike[str] | None = None
     repro_threads: bool = False

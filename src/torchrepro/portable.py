@@ -16,7 +16,7 @@ Invariants:
 - A value the user set that oneMKL or torch would not accept is an error naming it (``SettingsError``),
   never silently replaced; a valid one is kept, and ``notes`` says when it weakens the mode.
 - This module is the only one that spells an ``MKL_CBWR`` value, and it owns the values of
-  ``ATEN_CPU_CAPABILITY`` torch accepts (``_child.spec`` re-exports them).
+  ``ATEN_CPU_CAPABILITY`` torch accepts (``protocol`` re-exports them).
 
 Measured (torch 2.13.0 CPU, 1 vs 2 threads): a small CNN's gradients are bitwise equal with this
 mode and differ without it. Ops whose CPU kernel still splits a reduction by thread are named by

@@ -41,7 +41,13 @@ from torchrepro.errors import ReproError, SettingsError
 from torchrepro.events import FINAL_KEY, describe_name, is_step, world_invariant
 from torchrepro.results import Outcome
 from torchrepro.runrecord import RunRecord
-from torchrepro.verdict import describe_check, describe_comparison, describe_divergence, describe_final_state
+from torchrepro.verdict import (
+    describe_check,
+    describe_comparison,
+    describe_divergence,
+    describe_final_state,
+    describe_setting,
+)
 
 if TYPE_CHECKING:
     from torchrepro.results import CheckResult, Comparison, Divergence, TensorDifference
@@ -344,7 +350,7 @@ def _differences(a: RunRecord, b: RunRecord) -> tuple[tuple[str, ...], tuple[dic
     """How two records were started differently (in words) and their environment differences."""
     envs, _ = environment_differences(a, b)
     started = setting_differences(a, b)
-    return tuple(d.describe() for d in started), tuple(env_difference_dict(d, started) for d in envs)
+    return tuple(describe_setting(d) for d in started), tuple(env_difference_dict(d, started) for d in envs)
 
 
 def _divergence_fields(
@@ -433,7 +439,7 @@ def compare_report_data(
         tensor=None if result.tensor is None else result.tensor.to_dict(),
         source=source,
         series=series,
-        settings=tuple(d.describe() for d in result.setting_differences),
+        settings=tuple(describe_setting(d) for d in result.setting_differences),
         commands=commands if len(set(commands)) > 1 else (),
         environment=result.environment,
         notes=result.notes,

@@ -243,25 +243,6 @@ class SettingDifference:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "a": self.a, "b": self.b}
 
-    def describe(self) -> str:
-        a, b = (
-            _UNSET.get(self.name, "not set") if v in (None, False) else "on" if v is True else repr(v)
-            for v in (self.a, self.b)
-        )
-        detail = f" ({self.detail})" if self.detail else ""
-        return f"started with different {self.name}: {a} vs {b}{detail}"
-
-
-_UNSET = {
-    "threads": "not pinned",
-    "OMP_NUM_THREADS": "unset",
-    "vary": "none",
-    "portable": "off",
-    "MKL_CBWR": "unset",
-    "ATEN_CPU_CAPABILITY": "unset",
-}
-"""How a setting that was not given reads (``None`` among a record's settings)."""
-
 
 @dataclass(frozen=True)
 class Coverage:

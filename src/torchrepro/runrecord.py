@@ -48,9 +48,12 @@ from torchrepro.errors import EnvFileError, LaunchError, SettingsError
 from torchrepro.events import EVENT_KINDS
 
 __all__ = [
+    "CHECKS_ROOT",
     "COMMAND_FILE",
     "ENV_FILE",
     "LOCK_FILE",
+    "RECORDS_ROOT",
+    "RUNS_ROOT",
     "SETTINGS_FILE",
     "STDERR_FILE",
     "STDOUT_FILE",
@@ -124,11 +127,17 @@ def new_run_id() -> str:
 RECORDS_GITIGNORE = "# torchrepro's run and check records (torchrepro clean removes old ones)\n*\n"
 
 
+RECORDS_ROOT = ".torchrepro"
+"""Where torchrepro keeps its records, below the working directory: ``runs/`` and ``checks/``."""
+RUNS_ROOT = os.path.join(RECORDS_ROOT, "runs")
+CHECKS_ROOT = os.path.join(RECORDS_ROOT, "checks")
+
+
 def _ignore_records(base: Path) -> None:
     """Give the ``.torchrepro`` directory above ``base`` a ``.gitignore`` of everything, once (a
     file already there is the user's and left as it is)."""
     for directory in (base, *base.parents):
-        if directory.name == ".torchrepro":
+        if directory.name == RECORDS_ROOT:
             with contextlib.suppress(OSError), open(directory / ".gitignore", "x", encoding="utf-8") as f:
                 f.write(RECORDS_GITIGNORE)
             return
@@ -137,7 +146,7 @@ def _ignore_records(base: Path) -> None:
 _RUN_ID_RE = re.compile(r"\d{8}-\d{6}-\d+-[0-9a-f]{12}")  # what new_run_id() makes
 
 
-def new_run_dir(root: str | os.PathLike[str] = ".torchrepro/runs") -> Path:
+def new_run_dir(root: str | os.PathLike[str] = RUNS_ROOT) -> Path:
     """Create and return a fresh run directory under ``root`` (never an existing one)."""
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
@@ -695,7 +704,7 @@ def _in_use(record: Path, now: float) -> bool:
 
 
 def clean_records(
-    root: str | os.PathLike[str] = ".torchrepro", *, keep: int = 10, dry_run: bool = False
+    root: str | os.PathLike[str] = RECORDS_ROOT, *, keep: int = 10, dry_run: bool = False
 ) -> CleanReport:
     """Remove all but the ``keep`` newest records of each kind (``runs/``, ``checks/``) below
     ``root``; a record a run is writing, or one changed in the last minute, is never removed.

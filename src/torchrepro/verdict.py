@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Final
 
 from torchrepro.events import BACKWARD_KEY, describe_name, is_step
+from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
+from torchrepro.protocol import OMP_THREADS_VAR
 from torchrepro.results import (
     CheckResult,
     Comparison,
@@ -20,6 +22,7 @@ from torchrepro.results import (
     Divergence,
     Isolation,
     Outcome,
+    SettingDifference,
     WorldScope,
     processes,
 )
@@ -41,6 +44,7 @@ __all__ = [
     "describe_final_state",
     "describe_isolation",
     "describe_portable",
+    "describe_setting",
     "describe_steps",
     "final_state_reason",
     "inconclusive_verdict",
@@ -101,6 +105,27 @@ def describe_isolation(isolation: Isolation) -> str:
             f"their files are in run<i>/{FILES_DIR}/"
         )
     return f"the runs shared {isolation.root}: {isolation.reason}"
+
+
+_UNSET = {
+    "threads": "not pinned",
+    OMP_THREADS_VAR: "unset",
+    "vary": "none",
+    "portable": "off",
+    CBWR_VAR: "unset",
+    CPU_CAPABILITY_VAR: "unset",
+}
+"""How a setting that was not given reads (``None`` among a record's settings)."""
+
+
+def describe_setting(d: SettingDifference) -> str:
+    """One way two runs were started differently, in words (with what it means, when known)."""
+    a, b = (
+        _UNSET.get(d.name, "not set") if v in (None, False) else "on" if v is True else repr(v)
+        for v in (d.a, d.b)
+    )
+    detail = f" ({d.detail})" if d.detail else ""
+    return f"started with different {d.name}: {a} vs {b}{detail}"
 
 
 def describe_portable(values: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from torchrepro import runrecord
 from torchrepro._child import bootstrap
 from torchrepro._child.bootstrap import _module_code, _parse, _script_code
 from torchrepro._child.session import MaxStepsReached, Session
-from torchrepro._child.spec import ENV_PREFIX, PARENT_RANK_VAR, ChildSpec
+from torchrepro.protocol import ENV_PREFIX, PARENT_RANK_VAR, ChildSpec
 
 # --- _parse ---------------------------------------------------------------------------------------
 

@@ -15,9 +15,9 @@ from helpers import SRC, user_env
 from torchrepro import runrecord
 from torchrepro._child.children import _is_multiprocessing, _started_module
 from torchrepro._child.rankclaim import RankClaim
-from torchrepro._child.spec import PARENT_RANK_VAR, SITE_DIR, ChildSpec
 from torchrepro.errors import LaunchError
 from torchrepro.launch import check_target
+from torchrepro.protocol import PARENT_RANK_VAR, SITE_DIR, ChildSpec
 
 PROBE = (
     "import sys, json, torch;"

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import check_json as check
 from helpers import user_env
-from torchrepro._child.spec import python_hash_seed
+from torchrepro.protocol import python_hash_seed
 from torchrepro.verdict import FINAL_NOT_LOCATED
 
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -1,6 +1,6 @@
 """The child-process bootstrap: ``python -m torchrepro._child.bootstrap [--] script.py|-m module [args]``.
 
-Configured only by the child protocol (``ChildSpec.from_env()``; see ``_child.spec``). Invariants:
+Configured only by the child protocol (``ChildSpec.from_env()``; see ``protocol``). Invariants:
 - With no protocol variable set it behaves like plain ``python script.py``: the script's
   ``__main__`` semantics (``sys.argv``, its directory first on ``sys.path``, its exit code and
   tracebacks) are those of python, and nothing is seeded or switched.
@@ -25,7 +25,7 @@ import types
 from typing import Any
 
 from torchrepro._child.session import MaxStepsReached, configure
-from torchrepro._child.spec import ChildSpec
+from torchrepro.protocol import ChildSpec
 
 
 def _usage() -> SystemExit:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from torchrepro._child.spec import in_run
+from torchrepro.protocol import in_run
 
 if TYPE_CHECKING:  # this module loads in every python of a run: only what it needs at start-up
     from collections.abc import Callable, Sequence
@@ -54,7 +54,7 @@ def _is_multiprocessing(argv: Sequence[str]) -> bool:
 
 
 def _spec() -> Any:
-    from torchrepro._child.spec import ChildSpec
+    from torchrepro.protocol import ChildSpec
 
     try:
         return ChildSpec.from_env()

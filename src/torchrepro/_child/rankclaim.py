@@ -17,8 +17,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from torchrepro._child.spec import mark_rank, parent_rank
 from torchrepro._runtime import env_rank, group_rank
+from torchrepro.protocol import mark_rank, parent_rank
 
 if TYPE_CHECKING:
     from pathlib import Path

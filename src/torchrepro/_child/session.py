@@ -32,17 +32,16 @@ from typing import Any
 
 import torch
 
-import torchrepro.launch as _launch
 import torchrepro.recorder as _recorder
-from torchrepro import runrecord
+from torchrepro import _runtime, runrecord
 from torchrepro._child import teardown
 from torchrepro._child.hooks import install_hooks, install_world_hook, worker_mapping
 from torchrepro._child.probe import SettingsProbe, install_probe
 from torchrepro._child.rankclaim import RankClaim
-from torchrepro._child.spec import BACKWARD_STEPS, ChildSpec
 from torchrepro._child.training import BackwardSteps
 from torchrepro._runtime import env_rank
 from torchrepro.events import FINAL_KEY
+from torchrepro.protocol import BACKWARD_STEPS, ChildSpec
 from torchrepro.recorder import Recorder
 
 __all__ = ["MaxStepsReached", "Session", "configure"]
@@ -283,7 +282,7 @@ def _configure(spec: ChildSpec) -> None:
         from torchrepro.flags import set_determinism
 
         set_determinism(spec.mode)
-    _launch._mark_bootstrapped(seeded=spec.seed is not None)
+    _runtime.mark_bootstrapped(seeded=spec.seed is not None)
 
 
 def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Session:

@@ -138,7 +138,7 @@ def read_writes(record_dir: str | os.PathLike[str]) -> set[str]:
 def main(argv: list[str] | None = None) -> int:
     """Watch this process's writes into its run record, then run the bootstrap."""
     from torchrepro._child import bootstrap
-    from torchrepro._child.spec import ChildSpec
+    from torchrepro.protocol import ChildSpec
 
     try:
         record_dir = ChildSpec.from_env().record_dir

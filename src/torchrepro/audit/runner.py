@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from torchrepro import runrecord
-from torchrepro._child.spec import ChildSpec
 from torchrepro.audit.report import AuditReport, report
 from torchrepro.audit.settings import ProbeSettings, merge_processes
 from torchrepro.errors import EnvFileError, LaunchError, TraceError
 from torchrepro.launch import build_command, kill_tree, spawn, terminate_on_signals
+from torchrepro.protocol import ChildSpec
 
 __all__ = ["audit_script"]
 

@@ -44,6 +44,7 @@ from torchrepro.tracing.locate import locate_in_traces
 from torchrepro.verdict import (
     FINAL_NOT_LOCATED,
     WORLD_NOT_LOCATED,
+    describe_setting,
     final_state_reason,
     inconclusive_verdict,
     world_divergence_reason,
@@ -109,7 +110,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
         coverage=covered,
         env_differences=env_differences,
         tensor=tensor,
-        notes=tuple(d.describe() for d in started) + tuple(notes),
+        notes=tuple(describe_setting(d) for d in started) + tuple(notes),
         setting_differences=started,
         environment=tuple(env_difference_dict(d, started) for d in env_differences),
         optimizer_steps=optimizer_steps(list(cursors.values())),

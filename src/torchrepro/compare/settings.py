@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from torchrepro.errors import EnvFileError, ReproError
+from torchrepro.protocol import HASH_SEED_VAR, OMP_THREADS_VAR
 from torchrepro.results import (
     SettingDifference,
 )
@@ -60,8 +61,8 @@ _COMPARED_SETTINGS = (
     "cpu_capability",
     "steps",
     "vary",
-    "PYTHONHASHSEED",
-    "OMP_NUM_THREADS",
+    HASH_SEED_VAR,
+    OMP_THREADS_VAR,
     "portable",
     "MKL_CBWR",
     "ATEN_CPU_CAPABILITY",
@@ -77,12 +78,12 @@ def setting_differences(a: RunRecord, b: RunRecord) -> tuple[SettingDifference, 
             if va != vb and not (name == "portable" and not va and not vb):  # False: an older record's None
                 found.append(SettingDifference(name, va, vb))
         if found and found[0].name == "seed":  # the hash seed is derived from the seed: one cause
-            found = [d for d in found if d.name != "PYTHONHASHSEED"]
+            found = [d for d in found if d.name != HASH_SEED_VAR]
         if any(d.name == "threads" for d in found):  # --threads sets OMP_NUM_THREADS: one cause
             found = [
                 replace(d, detail=_threads_detail(a, b)) if d.name == "threads" else d
                 for d in found
-                if d.name != "OMP_NUM_THREADS"
+                if d.name != OMP_THREADS_VAR
             ]
         names = {d.name for d in found}
         if "portable" in names:  # --portable sets MKL_CBWR and the CPU ISA: one cause
@@ -121,8 +122,8 @@ def varied_threads(started: Sequence[SettingDifference]) -> str | None:
 
 def _explained_env_keys(setting: str) -> tuple[str, ...]:
     """The environment keys (``env_diff`` keys, or their prefixes) a setting difference sets."""
-    from torchrepro._child.spec import CPU_CAPABILITY_VAR, variable
     from torchrepro.portable import CBWR_VAR
+    from torchrepro.protocol import CPU_CAPABILITY_VAR, variable
 
     threads = (
         "num_threads",
@@ -139,7 +140,7 @@ def _explained_env_keys(setting: str) -> tuple[str, ...]:
         "seed": (f"env_vars.{variable('seed')}", *hash_seed),
         "mode": (f"env_vars.{variable('mode')}", "determinism"),
         "threads": threads,
-        "OMP_NUM_THREADS": threads,
+        OMP_THREADS_VAR: threads,
         "cpu_capability": isa,
         "ATEN_CPU_CAPABILITY": isa,
         "MKL_CBWR": cbwr,
@@ -149,7 +150,7 @@ def _explained_env_keys(setting: str) -> tuple[str, ...]:
             *isa,
             "determinism.mkldnn_enabled",
         ),
-        "PYTHONHASHSEED": hash_seed,
+        HASH_SEED_VAR: hash_seed,
         "steps": (f"env_vars.{variable('max_steps')}",),
         "vary": (f"env_vars.{variable('num_workers')}", *hash_seed, *threads),
     }
@@ -167,7 +168,7 @@ def explaining_setting(key: str, started: Sequence[SettingDifference]) -> str | 
 def is_volatile(key: str) -> bool:
     """Whether an environment difference exists between any two records: when each was collected,
     where each run wrote its record. Never a cause; ``compare`` leaves them out of its report."""
-    from torchrepro._child.spec import LOCATION_VARIABLES
+    from torchrepro.protocol import LOCATION_VARIABLES
 
     return key == "collected_at" or key in {f"env_vars.{v}" for v in LOCATION_VARIABLES}
 

@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
-from torchrepro._child.spec import ENV_PREFIX
 from torchrepro._runtime import cuda_started
 from torchrepro._version import __version__
 from torchrepro.env.model import Environment
+from torchrepro.protocol import ENV_PREFIX, HASH_SEED_VAR, MKL_THREADS_VAR, OMP_THREADS_VAR
 
 __all__ = ["collect_env"]
 
@@ -42,10 +42,10 @@ _MAX_GIT_CHANGES = 200
 
 #: Environment variables always listed (``None`` when unset), then every variable with a prefix.
 _ENV_VARS = (
-    "PYTHONHASHSEED",
+    HASH_SEED_VAR,
     "CUBLAS_WORKSPACE_CONFIG",
-    "OMP_NUM_THREADS",
-    "MKL_NUM_THREADS",
+    OMP_THREADS_VAR,
+    MKL_THREADS_VAR,
     "ATEN_CPU_CAPABILITY",
     "CUDA_VISIBLE_DEVICES",
     "NVIDIA_TF32_OVERRIDE",

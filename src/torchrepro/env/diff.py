@@ -17,11 +17,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchrepro._child.spec import ENV_PREFIX, LOCATION_VARIABLES
 from torchrepro._jsonread import parse_json
 from torchrepro.env.collect import _TOOLING_PACKAGES
 from torchrepro.env.model import EnvDifference, Environment
 from torchrepro.errors import EnvFileError
+from torchrepro.protocol import ENV_PREFIX, LOCATION_VARIABLES
 from torchrepro.runrecord import ENV_FILE
 
 __all__ = ["diff_env", "load_env"]

@@ -83,9 +83,9 @@ def _check_mode(mode: object) -> str:
 
 def _bootstrapped_and_seeded() -> bool:
     """Whether ``torchrepro run`` seeded this very process (not merely left its variables here)."""
-    from torchrepro import launch
+    from torchrepro import _runtime
 
-    return launch._bootstrapped and launch._bootstrap_seeded
+    return _runtime.bootstrapped(seeded=True)
 
 
 def _gather(local: dict[str, Any], world_size: int) -> list[dict[str, Any]]:
@@ -220,7 +220,7 @@ class TorchreproCallback(Callback):
         self._trainer = trainer
         self._pending, self._loaded = None, False  # a state loaded by an earlier call is stale
         self._training_rng = None
-        from torchrepro._child.spec import ChildSpec
+        from torchrepro.protocol import ChildSpec
 
         spec = ChildSpec.from_env()
         if not spec.seeded:
@@ -241,7 +241,7 @@ class TorchreproCallback(Callback):
             # again): it inherited the run's variables but not its seeding.
             self._apply(spec.seed, spec.mode)
             return
-        from torchrepro.flags import status
+        from torchrepro.status_report import status
 
         now = status().mode
         if now != spec.mode:

@@ -166,7 +166,7 @@ class TorchreproStreamPosition(transformers.TrainerCallback, transformers.traine
 def _warn_unless_deterministic(args: Any) -> None:
     """Name the determinism switches that fall short of strict mode, once per process."""
     from torchrepro.errors import ReproWarning, warn_once
-    from torchrepro.flags import status
+    from torchrepro.status_report import status
 
     if getattr(args, "full_determinism", False):
         return  # the Trainer's own enable_full_determinism set them

@@ -26,6 +26,7 @@ from torchrepro._child.sources import switch_statements
 from torchrepro._frames import shown, user_frame
 from torchrepro._runtime import cuda_started
 from torchrepro.flags import DeterminismFlags
+from torchrepro.protocol import HASH_SEED_VAR, MKL_THREADS_VAR, OMP_THREADS_VAR
 
 __all__ = ["SwitchWatcher"]
 
@@ -38,9 +39,7 @@ class SwitchWatcher:
     ``num_threads``, ``thread_env``, ``switch_statements``, ``cuda_initialized``)."""
 
     def __init__(self) -> None:
-        self.start_env = {
-            k: os.environ.get(k) for k in ("PYTHONHASHSEED", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
-        }
+        self.start_env = {k: os.environ.get(k) for k in (HASH_SEED_VAR, OMP_THREADS_VAR, MKL_THREADS_VAR)}
         self.hash_randomization = bool(sys.flags.hash_randomization)
         self.set_num_threads_called = False
         self.requested_deterministic: tuple[bool, bool] | None = None
@@ -80,7 +79,7 @@ class SwitchWatcher:
             warn_only = self.requested_deterministic[1]  # the probe turned a strict request into warn-only
         return {
             "hash_randomization": self.hash_randomization,
-            "pythonhashseed": self.start_env["PYTHONHASHSEED"],
+            "pythonhashseed": self.start_env[HASH_SEED_VAR],
             "cublas_workspace_config": flags.cublas_workspace_config,
             "deterministic_algorithms": deterministic,
             "warn_only": warn_only,
@@ -91,7 +90,7 @@ class SwitchWatcher:
             "float32_matmul_precision": flags.float32_matmul_precision,
             "num_threads": torch.get_num_threads(),
             "set_num_threads_called": self.set_num_threads_called,
-            "thread_env": {k: v for k, v in self.start_env.items() if k != "PYTHONHASHSEED"},
+            "thread_env": {k: v for k, v in self.start_env.items() if k != HASH_SEED_VAR},
             "cuda_initialized": cuda_started(),
             "switch_statements": tuple(self._switch_statements()),
         }

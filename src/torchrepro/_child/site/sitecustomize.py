@@ -32,7 +32,7 @@ def _chain() -> None:
 
 def _adopt() -> None:
     try:
-        from torchrepro._child.spec import in_run
+        from torchrepro.protocol import in_run
     except ImportError:  # this python cannot import torchrepro: nothing to configure
         return
     if in_run():

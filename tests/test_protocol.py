@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchrepro._child.spec import (
+from torchrepro.errors import SettingsError
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
+from torchrepro.portable import CBWR_DEFAULT, CBWR_VAR, portable_isa
+from torchrepro.protocol import (
     CPU_CAPABILITIES,
     CPU_CAPABILITY_VAR,
     ENV_PREFIX,
     ChildSpec,
     python_hash_seed,
 )
-from torchrepro.errors import SettingsError
-from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
-from torchrepro.portable import CBWR_DEFAULT, CBWR_VAR, portable_isa
 
 PROCESS_START = ("PYTHONHASHSEED", CUBLAS_VAR, "OMP_NUM_THREADS", "MKL_NUM_THREADS", CPU_CAPABILITY_VAR)
 

@@ -32,10 +32,15 @@ __all__ = [
     "CPU_CAPABILITIES",
     "CPU_CAPABILITY_VAR",
     "ENV_PREFIX",
+    "HASH_SEED_VAR",
     "LOCATION_VARIABLES",
+    "MKL_THREADS_VAR",
+    "OMP_THREADS_VAR",
     "PARENT_RANK_VAR",
     "RELAUNCHED_VAR",
     "SITE_DIR",
+    "START_VARIABLES",
+    "THREAD_VARS",
     "ChildSpec",
     "in_run",
     "mark_rank",
@@ -43,6 +48,15 @@ __all__ = [
     "python_hash_seed",
     "variable",
 ]
+
+HASH_SEED_VAR = "PYTHONHASHSEED"
+"""Python's hash seed: fixed when the interpreter starts, so only a launcher can set it."""
+OMP_THREADS_VAR = "OMP_NUM_THREADS"
+MKL_THREADS_VAR = "MKL_NUM_THREADS"
+"""The thread counts OpenMP and oneMKL read when they start (``--threads`` pins both)."""
+THREAD_VARS = (OMP_THREADS_VAR, MKL_THREADS_VAR)
+START_VARIABLES = (HASH_SEED_VAR, *THREAD_VARS)
+"""The process-start variables of Python and the CPU libraries that this module alone spells."""
 
 ENV_PREFIX = "TORCHREPRO_"
 """Every variable of the protocol starts with this prefix."""
@@ -58,7 +72,7 @@ PARENT_RANK_VAR = ENV_PREFIX + "PARENT_RANK"
 rank it records as, or to the rank variable it started with while that is unresolved: a child
 whose ``RANK`` (or ``LOCAL_RANK``) equals it inherited it, and is not that rank."""
 
-SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_child", "site")
 """Holds the ``sitecustomize`` a recorded run's children find first on ``PYTHONPATH``: every
 python the script starts itself (ranks, ``subprocess`` of ``sys.executable``) is configured too."""
 
@@ -101,7 +115,7 @@ def variable(name: str) -> str:
 
 
 def python_hash_seed(seed: int, *keys: int | str) -> int:
-    """The ``PYTHONHASHSEED`` of a run: ``derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32``.
+    """The ``PYTHONHASHSEED`` of a run: ``derive_seed(seed, HASH_SEED_VAR, *keys) % 2**32``.
 
     >>> python_hash_seed(0) == python_hash_seed(0)
     True
@@ -110,7 +124,7 @@ def python_hash_seed(seed: int, *keys: int | str) -> int:
     """
     from torchrepro.seeding import derive_seed
 
-    return derive_seed(seed, "PYTHONHASHSEED", *keys) % 2**32
+    return derive_seed(seed, HASH_SEED_VAR, *keys) % 2**32
 
 
 def _count(name: str, value: object, minimum: int, what: str) -> None:
@@ -231,12 +245,12 @@ class ChildSpec:
             env[ENV_PREFIX + var] = "1" if value is True else str(value)
         if self.seed is not None:
             hash_seed = python_hash_seed(self.seed) if self.hash_seed is None else self.hash_seed
-            env["PYTHONHASHSEED"] = str(hash_seed)
+            env[HASH_SEED_VAR] = str(hash_seed)
             env[CUBLAS_VAR] = CUBLAS_CONFIGS[0]
         elif self.hash_seed is not None:
-            env["PYTHONHASHSEED"] = str(self.hash_seed)
+            env[HASH_SEED_VAR] = str(self.hash_seed)
         if self.threads is not None:
-            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(self.threads)
+            env[OMP_THREADS_VAR] = env[MKL_THREADS_VAR] = str(self.threads)
         if self.cpu_capability is not None:
             env[CPU_CAPABILITY_VAR] = self.cpu_capability
         if self.portable:
