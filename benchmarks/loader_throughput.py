@@ -108,9 +108,9 @@ def lockstep(loaders: list[tuple[str, Any]], repeats: int) -> dict[str, tuple[fl
 
 def seeding_cost_us() -> dict[str, float]:
     """CPU microseconds per sample of each per-sample seeding call (best of several runs)."""
-    from torchrepro.seeding import NUMPY_RNG, TORCH_RNG, _CRandom, _Deriver, sample_seeder
+    from torchrepro.seeding import NUMPY_RNG, TORCH_RNG, Deriver, _CRandom, sample_seeder
 
-    derive = _Deriver(0, ("sample", 0), 3)
+    derive = Deriver(0, ("sample", 0), 3)
     seed_globals = sample_seeder(np)
     seed_drawn = sample_seeder(np, NUMPY_RNG | TORCH_RNG)  # what this dataset draws from
     c_seed = _CRandom.seed.__get__(random._inst)  # type: ignore[attr-defined]
@@ -139,10 +139,10 @@ def seeding_cost_us() -> dict[str, float]:
 def state_saving_cost_us() -> dict[str, float]:
     """CPU microseconds per batch to save and put back NumPy's global RNG state in the main
     process: as SeededLoader does it (raw bytes) and through NumPy's API (best of several runs)."""
-    from torchrepro.data.rawrng import _numpy_mt
+    from torchrepro.data.rawrng import numpy_mt
 
     def raw() -> None:
-        _numpy_mt.restore(np, _numpy_mt.save(np))
+        numpy_mt.restore(np, numpy_mt.save(np))
 
     def api() -> None:
         np.random.set_state(np.random.get_state())
@@ -171,10 +171,10 @@ class BareSeeding(Dataset[Any]):
     without drawing, which no check could see."""
 
     def __init__(self, dataset: Dataset[Any], *, torch_too: bool) -> None:
-        from torchrepro.seeding import _Deriver
+        from torchrepro.seeding import Deriver
 
         self.dataset = dataset
-        self.derive = _Deriver(0, ("sample", 0), 3)
+        self.derive = Deriver(0, ("sample", 0), 3)
         self.torch_too = torch_too
 
     def __len__(self) -> int:

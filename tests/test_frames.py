@@ -13,7 +13,7 @@ import pytest
 
 from helpers import marked_line
 from torchrepro._frames import Walker, user_site
-from torchrepro.tracing.sites import _Sites
+from torchrepro.tracing.sites import Sites
 
 HERE = Path(__file__)
 
@@ -40,7 +40,7 @@ def framework(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def test_tracing_and_the_hooks_name_the_same_user_line_through_a_framework(framework: Any) -> None:
     # one stack (the framework's frame, called from this test's line), shown to both users
-    traced, hooked = framework(lambda frame: (_Sites().user_location(frame), user_site(frame)))  # fit
+    traced, hooked = framework(lambda frame: (Sites().user_location(frame), user_site(frame)))  # fit
     assert traced == (_line("fit"), False)  # was the framework's own line, accelerate/loop.py:3
     assert hooked == (_line("fit"), "accelerate")
 

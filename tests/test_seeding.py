@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torchrepro
-from torchrepro.seeding import _Deriver, current_seed, derive_seed
+from torchrepro.seeding import Deriver, current_seed, derive_seed
 
 seeds = st.integers(min_value=0, max_value=2**64 - 1)
 keys = st.lists(st.one_of(st.integers(), st.text(max_size=8)), max_size=4).map(tuple)
@@ -132,12 +132,12 @@ def test_seed_none_draws_fresh_seed_and_returns_it(rng_changes_ok: None) -> None
     st.integers(0, 2**80),  # past 8 bytes too (the header is computed, not looked up)
 )
 def test_fast_derivation_equals_derive_seed(seed: int, epoch: int, index: int) -> None:
-    assert _Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
-    assert _Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
+    assert Deriver(seed, ("sample", epoch), 3)(index) == derive_seed(seed, "sample", epoch, index)
+    assert Deriver(seed, ("sample", epoch), 3).one(index) == derive_seed(seed, "sample", epoch, index)
     keys = [index, index // 3, 0, 2**63 - 1, 2**63]
-    assert _Deriver(seed, ("sample", epoch), 3).many(keys) == [
+    assert Deriver(seed, ("sample", epoch), 3).many(keys) == [
         derive_seed(seed, "sample", epoch, key) for key in keys
     ]
-    assert _Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
+    assert Deriver(seed, ("object", epoch), 4)(index, "a.0") == derive_seed(
         seed, "object", epoch, index, "a.0"
     )

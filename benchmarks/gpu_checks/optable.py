@@ -21,7 +21,7 @@ Invariants:
 - A case builds its inputs from its own fixed-seed generator, with strict mode off, afresh for
   every call; only the op under test (forward, and backward for backward-phase ops) runs under the
   mode measured. Nothing reads or advances the global RNG (dropout forks and restores it).
-- The expectation of a case is derived from ``_load_table()`` of the torch that runs it (the
+- The expectation of a case is derived from ``load_table()`` of the torch that runs it (the
   documentation of that release), never from a list kept here; an op absent from this release's
   lists is expected to be fine.
 - Claims are compared on CUDA only. On the CPU the same cases run and are recorded (rows
@@ -48,7 +48,7 @@ from torch import Tensor
 
 from gpu_checks.common import Context, Row
 from torchrepro._runtime import cuda_started
-from torchrepro.audit.optable import _Entry, _load_table, _OpTable, _table_data
+from torchrepro.audit.optable import Entry, _OpTable, _table_data, load_table
 from torchrepro.flags import CUBLAS_VAR, DeterminismFlags
 
 NAME = "optable"
@@ -1130,7 +1130,7 @@ class Expectation:
 _MEASURED_VIA = {m["op"]: m["via"] for m in _table_data().get("measured", {}).get("ops", ()) if "via" in m}
 
 
-def _entry_for(table: _OpTable, code: str, op: str) -> _Entry | None:
+def _entry_for(table: _OpTable, code: str, op: str) -> Entry | None:
     """The entry of ``code`` whose ops include ``op`` ("aten.name" or "aten.name.overload")."""
     parts = op.split(".")
     name, overload = ".".join(parts[:2]), (".".join(parts[2:]) or None)
@@ -1277,7 +1277,7 @@ def run(ctx: Context) -> list[Row]:
     flags = DeterminismFlags.capture()
     try:
         cublas = _ensure_cublas_config()
-        table = _load_table()
+        table = load_table()
         records = [observe(case, ctx.device, ctx.quick) for case in CASES]
     finally:
         flags.restore()  # every switch, and CUBLAS_WORKSPACE_CONFIG unset again if it was
@@ -1368,7 +1368,7 @@ def recheck(rows: Sequence[Row]) -> list[Row]:
     for key in derived:
         about.pop(key, None)
     version, doc = str(about.get("torch") or torch.__version__), about.get("documentation")
-    table = _load_table(version, doc if isinstance(doc, str) else None)
+    table = load_table(version, doc if isinstance(doc, str) else None)
     records = [
         {k: v for k, v in r.data.items() if k not in ("expected", "why")} for r in mine if "case" in r.data
     ]

@@ -343,9 +343,9 @@ def reproducible(seed: int | None, mode: str = "strict") -> Iterator[int]:
     if seed is not None:
         seed = validate_seed(seed)
     previous_seed = seeding.current_seed()
-    from torchrepro.rng import _isolated  # rng imports torch
+    from torchrepro.rng import isolated  # rng imports torch
 
-    with _isolated():
+    with isolated():
         previous = set_determinism(mode)
         try:
             yield seed_everything(seed)

@@ -390,7 +390,7 @@ def _generator_from_dict(name: str, entry: object) -> _GeneratorState:
 
 
 @contextmanager
-def _isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
+def isolated(generators: Mapping[str, Any] | None = None) -> Iterator[None]:
     """Restore every stream on exit; undo CUDA seeds queued or drawn while CUDA was not started.
 
     When CUDA has not started, its generators have no state yet, only a pending seed (the last
@@ -439,7 +439,7 @@ def fork_rng(
     if not enabled:
         yield
         return
-    with _isolated(generators):
+    with isolated(generators):
         if seed is not None:
             seed_streams(seed, idle_cuda=False)
         yield

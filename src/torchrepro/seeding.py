@@ -5,7 +5,7 @@ Invariants:
   of the keys; never Python's ``hash()``), so every process derives the same child seeds.
 - Every library gets its own derived seed: distinct user seeds give distinct streams everywhere,
   and NumPy's 32-bit seed limit never truncates a 64-bit user seed.
-- ``_Deriver`` (the loader's per-sample derivation: ``derive_seed`` for a fixed key prefix, from
+- ``Deriver`` (the loader's per-sample derivation: ``derive_seed`` for a fixed key prefix, from
   a copied hash state) gives exactly ``derive_seed``'s values: both start the hash in one place
   and encode int keys with the same headers.
 - This module owns every write of the global RNG streams: ``seed_everything`` (and
@@ -113,7 +113,7 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-class _Deriver:
+class Deriver:
     """``derive_seed(seed, *prefix, *rest)`` for a fixed prefix, at the cost of one hash copy.
 
     Produces exactly ``derive_seed``'s value (a test checks it): the hash state after the seed,

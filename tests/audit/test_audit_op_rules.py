@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchrepro.audit import AuditReport, Finding, audit_ops, op_rules
-from torchrepro.audit.optable import _TABLE_FILE, _load_table, _release_of
+from torchrepro.audit.optable import _TABLE_FILE, _release_of, load_table
 from torchrepro.errors import TraceError
 from torchrepro.tracing import OpRecorder
 
@@ -27,7 +27,7 @@ from torchrepro.tracing import OpRecorder
 def test_an_unreadable_documentation_falls_back_to_the_copy_and_the_audit_says_so(
     monkeypatch: pytest.MonkeyPatch, rng_changes_ok: None
 ) -> None:
-    table = _load_table(doc="Sets whether PyTorch operations must use deterministic algorithms.")
+    table = load_table(doc="Sets whether PyTorch operations must use deterministic algorithms.")
     want = _release_of(torch.__version__)
     assert not table.read and _release_of(table.release) <= want
     assert all(
@@ -35,7 +35,7 @@ def test_an_unreadable_documentation_falls_back_to_the_copy_and_the_audit_says_s
         for e in table.entries
         if e.section != "extra" and not (e.listed_in or "").startswith("measured on ")
     )
-    monkeypatch.setattr(op_rules, "_load_table", lambda: table)
+    monkeypatch.setattr(op_rules, "load_table", lambda: table)
     (tr001,) = [f for f in op_rules.table_findings() if f.code == "TR001"]
     assert "could not be read" in tr001.message and table.listed_in in tr001.message
     (finding,) = [f for f in audit_ops(_record(EXAMPLES["TR107"])) if f.code == "TR107"]
@@ -138,7 +138,7 @@ _SEVERITIES = {
 @pytest.mark.parametrize("code", sorted(EXAMPLES))
 def test_entry_is_found_from_a_cpu_run_when_this_torch_documents_it(code: str, rng_changes_ok: None) -> None:
     torch.manual_seed(0)
-    table = _load_table()
+    table = load_table()
     findings = [f for f in audit_ops(_record(EXAMPLES[code])) if f.code == code]
     entries = {e.section: e for e in table.entries if e.code == code}
     if not entries:  # documented by other releases only: not an op finding under this one
@@ -183,8 +183,8 @@ def test_an_op_counts_as_its_release_documents_it(
     monkeypatch: pytest.MonkeyPatch,
     rng_changes_ok: None,
 ) -> None:
-    table = _load_table(f"{release}.0", measured=False)  # torchrepro's copy of that release's documentation
-    monkeypatch.setattr(op_rules, "_load_table", lambda: table)
+    table = load_table(f"{release}.0", measured=False)  # torchrepro's copy of that release's documentation
+    monkeypatch.setattr(op_rules, "load_table", lambda: table)
     run = EXAMPLES.get(example) or (lambda: nn.ReplicationPad1d(1)(_x(1, 1, 4)).sum().backward())
     findings = [f for f in audit_ops(_record(run)) if f.code == code]
     assert {f.severity for f in findings} == severities
@@ -194,7 +194,7 @@ def test_an_op_counts_as_its_release_documents_it(
 def test_a_raising_op_says_where_its_documentation_says_it_raises(rng_changes_ok: None) -> None:
     events = [e for code in ("TR101", "TR105", "TR111") for e in _record(EXAMPLES[code])]
     message = {f.code: f.message for f in audit_ops(events)}
-    source = f"({_load_table().listed_in})"
+    source = f"({load_table().listed_in})"
     assert f"no deterministic implementation on CUDA {source}." in message["TR101"]  # CUDA items only
     assert f"on any device, the CPU included {source}." in message["TR105"]  # MaxUnpool: no device named
     assert f"nor on the CPU in some of the documented cases {source}." in message["TR111"]  # put_: both
@@ -329,8 +329,8 @@ def test_phase_and_overload_must_match() -> None:
 def torch_2_13_lists(monkeypatch: pytest.MonkeyPatch) -> None:
     """Audit with torch 2.13's documented lists (cumsum raises there; torch 2.14 documents it as made
     deterministic, and a GPU run of 2.11 measured it so: measured=False leaves that out)."""
-    table = _load_table("2.13.0", measured=False)
-    monkeypatch.setattr(op_rules, "_load_table", lambda: table)
+    table = load_table("2.13.0", measured=False)
+    monkeypatch.setattr(op_rules, "load_table", lambda: table)
 
 
 @pytest.mark.parametrize(
@@ -449,8 +449,8 @@ def test_what_a_gpu_measured_overrides_the_documentation_from_its_release_on(
     source: str | None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    table = _load_table(f"{release}.0")
-    monkeypatch.setattr(op_rules, "_load_table", lambda: table)
+    table = load_table(f"{release}.0")
+    monkeypatch.setattr(op_rules, "load_table", lambda: table)
     (finding,) = audit_ops([event])
     assert (finding.code, finding.severity) == expected
     if source == "measured":
@@ -461,7 +461,7 @@ def test_what_a_gpu_measured_overrides_the_documentation_from_its_release_on(
         assert "does not stop aten.cudnn_grid_sampler_backward" in finding.message
         assert "align_corners=False" in finding.fix
     # without the measurements the documentation's section is back
-    monkeypatch.setattr(op_rules, "_load_table", lambda: _load_table(f"{release}.0", measured=False))
+    monkeypatch.setattr(op_rules, "load_table", lambda: load_table(f"{release}.0", measured=False))
     documented = [(f.code, f.severity) for f in audit_ops([event])]
     if source == "measured" and expected[0] != "TR134":
         assert documented == [(expected[0], "error")]

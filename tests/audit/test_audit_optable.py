@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchrepro.audit.optable import _GENERIC_FIX, _TABLE_FILE, _documented_items, _load_table, _release_of
+from torchrepro.audit.optable import _GENERIC_FIX, _TABLE_FILE, _documented_items, _release_of, load_table
 
 # --------------------------------------------------------------------------------------------
 # The op lists come from the installed torch's documentation; the hints are data, keyed by op
@@ -33,7 +33,7 @@ def _hintless(table: Any) -> list[str]:
 def test_every_item_the_installed_torch_documents_has_ops_and_a_hint() -> None:
     documented = _documented_items()
     assert len(documented) >= 40, "the parser found too few items: did the documentation's layout change?"
-    table = _load_table()
+    table = load_table()
     assert table.read and table.exact and table.listed_in == f"torch {table.release} documentation"
     assert _hintless(table) == [], f"torch {torch.__version__} documents ops the table has no hint for"
 
@@ -41,7 +41,7 @@ def test_every_item_the_installed_torch_documents_has_ops_and_a_hint() -> None:
 def test_every_item_of_every_copy_has_ops_and_a_hint_and_every_entry_item_is_documented() -> None:
     copies = _copies()
     for release in copies:
-        table = _load_table(f"{release}.0")
+        table = load_table(f"{release}.0")
         assert (table.release, table.read) == (release, False)
         assert _hintless(table) == [], f"torch {release} (copy) documents ops the table has no hint for"
     ever = {item for documented in copies.values() for item in documented} | set(_documented_items())
@@ -62,7 +62,7 @@ def test_the_copy_of_the_installed_release_equals_its_documentation() -> None:
 
 
 def test_table_entries_are_well_formed_and_name_real_aten_ops() -> None:
-    table = _load_table()
+    table = load_table()
     keys = [(e.code, e.section) for e in table.entries]
     assert len(keys) == len(set(keys))
     for entry in table.entries:
@@ -138,9 +138,9 @@ def _newest_copy() -> str:
 
 def test_table_for_an_unknown_release_falls_back_to_the_newest_copy_at_or_below_it() -> None:
     newest = _newest_copy()
-    table = _load_table("99.1.0")
+    table = load_table("99.1.0")
     assert (table.release, table.exact, table.read) == (newest, False, False)
     assert table.listed_in == f"torchrepro's copy of the torch {newest} documentation"
-    assert _load_table("2.13.5").release == "2.13" and _load_table("2.13.5").exact
-    assert _load_table("2.12.0").release == "2.4" and not _load_table("2.12.0").exact
-    assert _load_table("1.13.0").release == "2.4"  # below every copy: the oldest
+    assert load_table("2.13.5").release == "2.13" and load_table("2.13.5").exact
+    assert load_table("2.12.0").release == "2.4" and not load_table("2.12.0").exact
+    assert load_table("1.13.0").release == "2.4"  # below every copy: the oldest

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from gpu_checks import optable
 from gpu_checks.common import Context, Row
 
-from torchrepro.audit.optable import _TABLE_FILE, _load_table
+from torchrepro.audit.optable import _TABLE_FILE, load_table
 
 _ENTRIES = json.loads(_TABLE_FILE.read_text(encoding="utf-8"))["entries"]
 
@@ -143,11 +143,11 @@ def _summary(found: list[optable.Disagreement]) -> list[tuple[str | None, str, s
 
 
 def test_compare_finds_nothing_when_the_records_agree_with_the_table() -> None:
-    assert optable.compare(AGREE, _load_table("2.13", measured=False)) == []
+    assert optable.compare(AGREE, load_table("2.13", measured=False)) == []
 
 
 def test_compare_lists_every_kind_of_disagreement() -> None:
-    found = optable.compare(DISAGREE, _load_table("2.13", measured=False))
+    found = optable.compare(DISAGREE, load_table("2.13", measured=False))
     assert _summary(found) == [
         ("TR113", "bincount with weights", "raises", "ran without raising, equal bits"),
         ("TR112", "histc", "raises", "ran without raising (warned), unequal bits"),
@@ -175,18 +175,18 @@ def test_compare_reads_the_claims_of_the_release_it_is_given() -> None:
     kthvalue = [_rec("TR119", "kthvalue", "aten.kthvalue", "raises")]
     maxpool3d = [_rec("TR129", "max_pool3d backward", "aten.max_pool3d_with_indices_backward", "raises")]
     # 2.14 makes cumsum deterministic; 2.4 lists kthvalue and max_pool3d's backward as raising
-    assert _summary(optable.compare(cumsum, _load_table("2.14"))) == [
+    assert _summary(optable.compare(cumsum, load_table("2.14"))) == [
         ("TR116", "cumsum float32", "deterministic", "raised")
     ]
-    assert optable.compare(kthvalue + maxpool3d, _load_table("2.4")) == []
-    assert len(optable.compare(maxpool3d, _load_table("2.13", measured=False))) == 1
-    assert optable.compare(cumsum, _load_table("2.14"), torch_version="2.11.0")[0].torch == "2.11.0"
+    assert optable.compare(kthvalue + maxpool3d, load_table("2.4")) == []
+    assert len(optable.compare(maxpool3d, load_table("2.13", measured=False))) == 1
+    assert optable.compare(cumsum, load_table("2.14"), torch_version="2.11.0")[0].torch == "2.11.0"
 
 
 def test_rows_on_cuda_pass_fail_or_error_by_record() -> None:
     records = [AGREE[0], DISAGREE[0], AGREE[-1]]
     rows = optable.rows_of(
-        records, _load_table("2.13", measured=False), "cuda", {"torch": "2.13.0+cu130", "cuda": "13.0"}
+        records, load_table("2.13", measured=False), "cuda", {"torch": "2.13.0+cu130", "cuda": "13.0"}
     )
     assert [r.status for r in rows] == ["pass", "fail", "error", "fail"]
     summary = rows[-1]
@@ -194,7 +194,7 @@ def test_rows_on_cuda_pass_fail_or_error_by_record() -> None:
     assert summary.data["torch"] == "2.13.0+cu130" and summary.data["cuda"] == "13.0"
     assert [d["case"] for d in summary.data["disagreements"]] == ["bincount with weights"]
     assert "1 case(s) broke" in summary.detail
-    agreeing = optable.rows_of(AGREE[:2], _load_table("2.13", measured=False), "cuda")
+    agreeing = optable.rows_of(AGREE[:2], load_table("2.13", measured=False), "cuda")
     assert [r.status for r in agreeing] == ["pass", "pass", "pass"]
 
 
@@ -235,7 +235,7 @@ def test_the_section_runs_every_case_on_cuda(tmp_path: Path) -> None:
 def test_recheck_works_the_verdicts_out_anew_for_the_recorded_torch() -> None:
     cumsum = _rec("TR116", "cumsum float32", "aten.cumsum", "raises")
     saved = optable.rows_of(
-        [cumsum, AGREE[0]], _load_table("2.13", measured=False), "cuda", {"torch": "2.14.0+cu130"}
+        [cumsum, AGREE[0]], load_table("2.13", measured=False), "cuda", {"torch": "2.14.0+cu130"}
     )
     assert [r.status for r in saved] == ["pass", "pass", "pass"]  # judged with 2.13's lists
     other = Row("bitwise", "cnn", "pass")

@@ -48,21 +48,21 @@ def test_loading_keeps_the_main_processes_cached_gaussian_and_numpy_state(rng_ch
 
 
 def test_raw_numpy_state_round_trips_like_numpys_own(rng_changes_ok: None) -> None:
-    from torchrepro.data.rawrng import _numpy_mt, _RawNumpyState
+    from torchrepro.data.rawrng import _RawNumpyState, numpy_mt
 
     np.random.seed(5)
     np.random.standard_normal()
     reference = np.random.get_state()
-    saved = _numpy_mt.save(np)
+    saved = numpy_mt.save(np)
     assert isinstance(saved, _RawNumpyState)  # the fast path is found on this NumPy
     for draw in (lambda: np.random.standard_normal(7), lambda: np.random.randint(0, 9, 2000)):
         draw()
-        _numpy_mt.restore(np, saved)
+        numpy_mt.restore(np, saved)
         assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
     # a state saved from another RandomState object goes back through NumPy's API, values intact
     other = _RawNumpyState(np.random.RandomState(0), saved.mt, saved.aug)
     np.random.seed(6)
-    _numpy_mt.restore(np, other)
+    numpy_mt.restore(np, other)
     assert_same_states((0, reference, torch.zeros(1)), (0, np.random.get_state(), torch.zeros(1)))
 
 
@@ -192,10 +192,10 @@ class _Forbidden:
 def _forbid_raw_access(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Every way rawrng reaches memory raises; returns counts of the library API calls made."""
     assert isinstance(rawrng._python_mt.save(), rawrng._RawPythonState)  # views attached...
-    assert isinstance(rawrng._numpy_mt.save(np), rawrng._RawNumpyState)  # ...on this interpreter
+    assert isinstance(rawrng.numpy_mt.save(np), rawrng._RawNumpyState)  # ...on this interpreter
     monkeypatch.setattr(rawrng, "ctypes", _Forbidden())
     monkeypatch.setattr(rawrng._python_mt, "words", _Forbidden())
-    monkeypatch.setattr(rawrng._numpy_mt, "words", _Forbidden())
+    monkeypatch.setattr(rawrng.numpy_mt, "words", _Forbidden())
     calls = {"random.getstate": 0, "np.random.get_state": 0}
 
     def counted(name: str, function: Any) -> Any:
@@ -222,7 +222,7 @@ def test_with_raw_access_off_no_memory_is_read_or_written(
     assert_same_states(before, global_states())
     assert calls["random.getstate"] > 0 and calls["np.random.get_state"] > 0  # the APIs instead
     assert not isinstance(rawrng._python_mt.save(), rawrng._RawPythonState)
-    assert not isinstance(rawrng._numpy_mt.save(np), rawrng._RawNumpyState)
+    assert not isinstance(rawrng.numpy_mt.save(np), rawrng._RawNumpyState)
 
 
 def test_the_forbidden_memory_is_what_raw_access_uses(
@@ -242,12 +242,12 @@ def test_a_raw_state_saved_before_the_switch_goes_back_through_the_api(
     random.seed(4)
     np.random.seed(4)
     reference = global_states()
-    saved = rawrng._python_mt.save(), rawrng._numpy_mt.save(np)
+    saved = rawrng._python_mt.save(), rawrng.numpy_mt.save(np)
     assert isinstance(saved[0], rawrng._RawPythonState) and isinstance(saved[1], rawrng._RawNumpyState)
     random.random(), np.random.rand()
     set_raw_access(False)
     rawrng._python_mt.restore(saved[0])
-    rawrng._numpy_mt.restore(np, saved[1])
+    rawrng.numpy_mt.restore(np, saved[1])
     assert_same_states(reference, (*global_states()[:2], reference[2]))
 
 

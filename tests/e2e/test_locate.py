@@ -211,7 +211,7 @@ def test_ops_of_torch_data_loading_are_left_out_of_the_aligned_op_stream(tmp_pat
     from multiprocessing.reduction import ForkingPickler
 
     from torchrepro.tracing import Tracer, compare_traces
-    from torchrepro.tracing.compare import _load_trace
+    from torchrepro.tracing.compare import load_trace
 
     samples = [torch.ones(2), torch.zeros(2)]
     x = torch.ones(3)
@@ -233,13 +233,13 @@ def test_ops_of_torch_data_loading_are_left_out_of_the_aligned_op_stream(tmp_pat
         return path
 
     one, three = traced(1, tmp_path / "one"), traced(3, tmp_path / "three")
-    assert [r.op for r in _load_trace(one).records] == ["aten.mul.Tensor"]
+    assert [r.op for r in load_trace(one).records] == ["aten.mul.Tensor"]
     assert compare_traces(one, three) is None
     control_one, control_three = (
         traced(1, tmp_path / "c1", by_script=True),
         traced(3, tmp_path / "c3", by_script=True),
     )
-    assert [r.op for r in _load_trace(control_one).records] == ["aten.stack.default", "aten.mul.Tensor"]
+    assert [r.op for r in load_trace(control_one).records] == ["aten.stack.default", "aten.mul.Tensor"]
     divergence = compare_traces(control_one, control_three)
     assert divergence is not None and divergence.structural
 

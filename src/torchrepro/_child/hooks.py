@@ -279,7 +279,7 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
 
     from torchrepro.data import loader as seeded
 
-    original_seeded_next = seeded._SeededLoaderIter.__next__
+    original_seeded_next = seeded.SeededLoaderIter.__next__
 
     def seeded_next_wrapper(self: Any) -> Any:
         with _recorder.paused():
@@ -289,7 +289,7 @@ def _patch_loader_iteration(dl: Any, recorder: Recorder | None) -> None:
             record_batch(loader_key(loader), loader.__dict__.get("_torchrepro_src"), batch)
         return batch
 
-    seeded._SeededLoaderIter.__next__ = seeded_next_wrapper  # type: ignore[method-assign]
+    seeded.SeededLoaderIter.__next__ = seeded_next_wrapper  # type: ignore[method-assign]
 
 
 def install_world_hook(on_join: Callable[[int, int], None]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from torchrepro.audit.findings import Finding, name_modules, sort_key
-from torchrepro.audit.optable import _Entry, _load_table, _OpSpec
+from torchrepro.audit.optable import Entry, OpSpec, load_table
 from torchrepro.errors import TraceError
 
 __all__ = ["as_event", "audit_ops", "table_findings"]
@@ -182,7 +182,7 @@ def _condition_text(cond: Mapping[str, Any]) -> str:
     return _CONDITION_TEXT[cond["kind"]].format(values=" or ".join(repr(v) for v in cond.get("values", ())))
 
 
-def _matches(spec: _OpSpec, event: _Event) -> bool:
+def _matches(spec: OpSpec, event: _Event) -> bool:
     if spec.name != event.name:
         return False
     if spec.overload is not None and spec.overload != event.overload:
@@ -190,7 +190,7 @@ def _matches(spec: _OpSpec, event: _Event) -> bool:
     return spec.phase == "any" or (spec.phase == "backward") == event.backward
 
 
-def _op_message(entry: _Entry, phases: set[bool], uncertain: bool, ops: Sequence[str], sites: int) -> str:
+def _op_message(entry: Entry, phases: set[bool], uncertain: bool, ops: Sequence[str], sites: int) -> str:
     where = ""
     if phases == {True}:
         where = " (recorded in backward; the location is its forward call)"
@@ -242,7 +242,7 @@ class _Group:
     """The recorded calls one finding covers: its entry, the op and location it shows, and the
     modules that ran it there, whether each call's condition was unknown, the ops and sites."""
 
-    entry: _Entry
+    entry: Entry
     op: str
     location: str | None
     modules: dict[str | None, None] = dataclasses.field(default_factory=dict)
@@ -268,8 +268,8 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
     ...                               "location": "t.py:3", "backward": False}])]
     []
     """
-    table = _load_table()
-    by_name: dict[str, list[tuple[_Entry, _OpSpec]]] = {}
+    table = load_table()
+    by_name: dict[str, list[tuple[Entry, OpSpec]]] = {}
     for entry in table.entries:
         for spec in entry.ops:
             by_name.setdefault(spec.name, []).append((entry, spec))
@@ -329,7 +329,7 @@ def audit_ops(events: Iterable[Any], *, calls: Iterable[Mapping[str, Any]] = ())
 
 def table_findings() -> list[Finding]:
     """TR001/TR002: this torch's documentation could not be read, or documents items the table lacks."""
-    table = _load_table()
+    table = load_table()
     out = []
     if not table.read:
         out.append(

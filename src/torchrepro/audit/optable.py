@@ -11,11 +11,11 @@ Invariants:
 - What a GPU showed where the documentation is wrong (``measured`` in the table: an op made
   deterministic that the documentation lists as raising, an op that raises that it does not list,
   an op strict mode does not stop) overrides the documented section of that op from the measured
-  release on, with the measurement cited (``_Entry.listed_in``); older releases keep the lists.
+  release on, with the measurement cited (``Entry.listed_in``); older releases keep the lists.
 - When the installed torch's documentation cannot be read, the lists are torchrepro's copy of the
   newest release at or below it (``documentation`` in the table), and the table says so
   (``_OpTable.read`` is false, ``_OpTable.listed_in`` names the copy).
-- Every entry the table returns carries where its list comes from (``_Entry.listed_in``), for the
+- Every entry the table returns carries where its list comes from (``Entry.listed_in``), for the
   findings to cite. Nothing here changes global state.
 """
 
@@ -44,19 +44,19 @@ _GENERIC_FIX = {
 
 
 @dataclasses.dataclass(frozen=True)
-class _OpSpec:
+class OpSpec:
     name: str  # "aten.cumsum"
     overload: str | None  # "dim" or None for any overload
     phase: str  # forward | backward | any
 
 
 @dataclasses.dataclass(frozen=True)
-class _Entry:
+class Entry:
     code: str
     title: str
     section: str  # raises | deterministic | unguarded (measured: strict mode runs it, bits vary) | extra
     doc: tuple[str, ...]  # the documented items behind it, in this release
-    ops: tuple[_OpSpec, ...]  # those of its ops that are in this section, in this release
+    ops: tuple[OpSpec, ...]  # those of its ops that are in this section, in this release
     condition: Mapping[str, Any] | None
     fix: str
     why: str | None
@@ -68,7 +68,7 @@ class _Entry:
 class _OpTable:
     release: str  # the release whose documentation the lists come from ("2.14")
     exact: bool  # that release is the one asked for
-    entries: tuple[_Entry, ...]
+    entries: tuple[Entry, ...]
     cublas_ops: frozenset[str]
     read: bool = True  # the lists were read from torch's documentation, not from torchrepro's copy
     listed_in: str = ""  # "torch 2.14 documentation" or "torchrepro's copy of the torch 2.13 documentation"
@@ -118,7 +118,7 @@ def _on_cpu(items: list[str]) -> bool | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_table(
+def load_table(
     torch_version: str | None = None, doc: str | None = None, *, measured: bool = True
 ) -> _OpTable:
     """The op table for ``torch_version`` (default: the installed torch), its lists read from ``doc``.
@@ -150,11 +150,11 @@ def _load_table(
         specs = []
         for o in e["ops"]:
             parts = o["op"].split(".")
-            spec = _OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"])
+            spec = OpSpec(".".join(parts[:2]), parts[2] if len(parts) > 2 else None, o["phase"])
             specs.append((spec, [d for d in o.get("doc", e.get("doc", ())) if d in documented]))
         condition, why = e.get("condition"), e.get("why")
-        # (section, listed_in) -> (ops, documented items): each group is one _Entry
-        groups: dict[tuple[str, str | None], tuple[list[_OpSpec], dict[str, None]]] = {}
+        # (section, listed_in) -> (ops, documented items): each group is one Entry
+        groups: dict[tuple[str, str | None], tuple[list[OpSpec], dict[str, None]]] = {}
         for spec, items in specs:
             seen = measurements.get(f"{spec.name}.{spec.overload}" if spec.overload else spec.name)
             if seen is not None:
@@ -175,7 +175,7 @@ def _load_table(
             groups.items(), key=lambda g: _ORDER.index(g[0][0])
         ):
             entries.append(
-                _Entry(
+                Entry(
                     code=e["code"],
                     title=e["title"],
                     section=section,

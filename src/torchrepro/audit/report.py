@@ -24,7 +24,7 @@ import torch
 
 from torchrepro.audit.findings import Finding, collapse, sort_key
 from torchrepro.audit.op_rules import as_event, audit_ops, table_findings
-from torchrepro.audit.optable import _load_table
+from torchrepro.audit.optable import load_table
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.audit.settings_rules import audit_settings, processes, steps_of
 from torchrepro.audit.threads import audit_threads
@@ -100,6 +100,6 @@ def report(*, script: str, steps: int, events: Sequence[Any], settings: ProbeSet
         optimizer_steps=steps_done if isinstance(steps_done, int) else None,
         ops_recorded=sum(as_event(e).count for e in events),
         torch_version=torch.__version__,
-        table_release=_load_table().release,
+        table_release=load_table().release,
         settings=settings,
     )

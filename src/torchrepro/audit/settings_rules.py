@@ -22,7 +22,7 @@ from typing import Any
 from torchrepro.audit.findings import Finding, collapse, settings_finding, sort_key
 from torchrepro.audit.loader_rules import dataloader_findings, tainted_seed_finding
 from torchrepro.audit.op_rules import as_event, audit_ops
-from torchrepro.audit.optable import _load_table
+from torchrepro.audit.optable import load_table
 from torchrepro.audit.settings import ProbeSettings
 from torchrepro.flags import CUBLAS_CONFIGS
 
@@ -43,7 +43,7 @@ class _Run:
 
 
 def _run(settings: ProbeSettings, events: Iterable[Any]) -> _Run:
-    table = _load_table()
+    table = load_table()
     evs = [as_event(e) for e in events]
     op_findings = audit_ops(evs, calls=settings.calls)
     needs_strict = sorted({f.op or "" for f in op_findings if f.severity == "info"})

@@ -50,11 +50,11 @@ FORMAT_VERSION = 2
 Version 2 adds ``meta["clock_digest"]``, the checksum of the save clock; version 1 files (without
 it) are still read."""
 
-_MARKER = "torchrepro_checkpoint"
-_RANK_FILE = re.compile(r"\.rank(\d+)$")  # rank r > 0 writes its own file: path + ".rank<r>"
+MARKER = "torchrepro_checkpoint"
+RANK_FILE = re.compile(r"\.rank(\d+)$")  # rank r > 0 writes its own file: path + ".rank<r>"
 
 
-def _rank_path(path: Path, rank: int) -> Path:
+def rank_path(path: Path, rank: int) -> Path:
     return path if rank == 0 else path.with_name(f"{path.name}.rank{rank}")
 
 
@@ -89,7 +89,7 @@ def _clock_digest(saved_at_ns: int, sequence: int) -> str:
 # --------------------------------------------------------------------------- kinds
 
 # Every kind an entry of ``objects`` may have, as messages name it.
-_KIND_WORDS = {
+KIND_WORDS = {
     "module": "a module (torch.nn.Module)",
     "optimizer": "an optimizer (torch.optim.Optimizer)",
     "scheduler": "an LR scheduler",
@@ -106,7 +106,7 @@ def _is_numpy_generator(obj: Any) -> bool:
     return np is not None and isinstance(obj, (np.random.Generator, np.random.RandomState))
 
 
-def _kind_of(name: str, obj: Any) -> str:
+def kind_of(name: str, obj: Any) -> str:
     """The kind an object is saved as; ``TypeError`` naming ``name`` for anything unsupported."""
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -159,7 +159,7 @@ _SEQUENCES: tuple[type, ...] = (list, tuple, set, torch.Size)
 _FLAT: tuple[type, ...] = (bool, int, float, str, type(None))
 
 
-def _check_loadable(obj: Any, name: str, key: str = "") -> None:
+def check_loadable(obj: Any, name: str, key: str = "") -> None:
     """Raise ``CheckpointError`` if ``torch.load(weights_only=True)`` would refuse ``obj``."""
     if obj is None or type(obj) in _SCALARS:
         return
@@ -169,14 +169,14 @@ def _check_loadable(obj: Any, name: str, key: str = "") -> None:
         return
     if type(obj) in _MAPPINGS:
         for k, v in obj.items():
-            _check_loadable(k, name, f"{key}[{k!r}] (the key)")
-            _check_loadable(v, name, f"{key}[{k!r}]")
+            check_loadable(k, name, f"{key}[{k!r}] (the key)")
+            check_loadable(v, name, f"{key}[{k!r}]")
         return
     if type(obj) in _SEQUENCES:
         if all(type(v) in _FLAT for v in obj):
             return
         for i, v in enumerate(obj):
-            _check_loadable(v, name, f"{key}[{i}]")
+            check_loadable(v, name, f"{key}[{i}]")
         return
     _refuse(obj, name, key, "an arbitrary Python object")
 
@@ -231,7 +231,7 @@ def _environment(rank: int, world_size: int) -> dict[str, Any]:
 _ENV_COMPARED = ("torch", "python", "cuda", "cuda_devices", "cpu_capability", "num_threads", "determinism")
 
 
-def _env_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+def env_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     diffs = []
     for key in _ENV_COMPARED:
         a, b = saved.get(key), now.get(key)
@@ -251,11 +251,11 @@ _PACKED = "__torchrepro_int64_list__"
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _pack(obj: Any) -> Any:
+def pack(obj: Any) -> Any:
     """Long lists of ints (Python's and NumPy's RNG state words) as one int64 tensor each:
     ``torch.load(weights_only=True)`` unpickles a tensor much faster than 625 separate ints."""
     if type(obj) is dict:
-        return {k: _pack(v) for k, v in obj.items()}
+        return {k: pack(v) for k, v in obj.items()}
     if (
         type(obj) is list
         and len(obj) >= 64
@@ -263,7 +263,7 @@ def _pack(obj: Any) -> Any:
     ):
         return {_PACKED: torch.tensor(obj, dtype=torch.int64)}
     if type(obj) is list:
-        return [_pack(v) for v in obj]
+        return [pack(v) for v in obj]
     return obj
 
 

@@ -33,15 +33,15 @@ import torch
 from torchrepro import _io
 from torchrepro._runtime import process_group
 from torchrepro.checkpoint.format import (
-    _KIND_WORDS,
-    _MARKER,
-    _RANK_FILE,
     FORMAT_VERSION,
+    KIND_WORDS,
+    MARKER,
+    RANK_FILE,
     _clock_digest,
-    _rank_path,
     _verify,
+    rank_path,
 )
-from torchrepro.checkpoint.writing import _wait_pending
+from torchrepro.checkpoint.writing import wait_pending
 from torchrepro.errors import CheckpointError, ReproWarning, warn_once
 
 __all__ = ["latest_checkpoint"]
@@ -53,7 +53,7 @@ _ZIP_MAGIC = b"PK\x03\x04"
 # Load with mmap: tensors are read once, from the page cache straight into the restored objects
 # (plain torch.load reads them into new buffers first). Not on Windows, where a mapped file cannot
 # be replaced by the next save.
-_MMAP = os.name != "nt"
+MMAP = os.name != "nt"
 
 
 # --------------------------------------------------------------------------- read and validate
@@ -70,7 +70,7 @@ def _expansion_limit(file_size: int, max_expanded_bytes: int | None) -> int:
     return max_expanded_bytes
 
 
-def _check_limit(max_expanded_bytes: Any) -> None:
+def check_limit(max_expanded_bytes: Any) -> None:
     if max_expanded_bytes is None:
         return
     if isinstance(max_expanded_bytes, bool) or not isinstance(max_expanded_bytes, int):
@@ -280,12 +280,12 @@ def _describe_load_error(path: Path, e: Exception) -> str:
 
 
 def _validate(payload: Any, path: Path) -> None:
-    if not isinstance(payload, dict) or _MARKER not in payload:
+    if not isinstance(payload, dict) or MARKER not in payload:
         raise CheckpointError(
-            f"{path} is a torch file but not a torchrepro checkpoint (no {_MARKER!r} marker); "
+            f"{path} is a torch file but not a torchrepro checkpoint (no {MARKER!r} marker); "
             "was it written with plain torch.save? Load it with torch.load instead."
         )
-    version = payload[_MARKER]
+    version = payload[MARKER]
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
         raise CheckpointError(
             f"Checkpoint {path} has format version {version!r}; this torchrepro reads versions 1 to "
@@ -324,7 +324,7 @@ def _valid_entry(entry: Any) -> bool:
     grads = entry.get("grads", {}) if isinstance(entry, dict) else None
     return (
         isinstance(entry, dict)
-        and entry.get("kind") in _KIND_WORDS
+        and entry.get("kind") in KIND_WORDS
         and isinstance(entry.get("digest"), str)
         and "state" in entry
         and isinstance(grads, dict)
@@ -357,7 +357,7 @@ def latest_checkpoint(
     symlink loop, a file without read permission, one declaring more than ``max_expanded_bytes``
     once unpacked, see ``load_checkpoint``) is skipped with a ``ReproWarning`` too.
     """
-    _check_limit(max_expanded_bytes)
+    check_limit(max_expanded_bytes)
     root = Path(directory)
     if not root.is_dir():
         if not os.path.lexists(root):
@@ -368,7 +368,7 @@ def latest_checkpoint(
         )
     # Never return a file that is not durable yet: wait for this process's fsyncs there rather
     # than skip their files (that would resume from an older checkpoint than the one just saved).
-    _wait_pending(root)
+    wait_pending(root)
     try:
         files = sorted(root.iterdir())
     except OSError as e:
@@ -389,7 +389,7 @@ def latest_checkpoint(
     for _, file in sorted(headers, reverse=True):
         if verify:
             try:
-                own = _rank_path(file, rank)
+                own = rank_path(file, rank)
                 _verify(_read(own, mmap=True, max_expanded_bytes=max_expanded_bytes), own)
             except CheckpointError as e:
                 _skip(e)
@@ -416,7 +416,7 @@ def prune_checkpoints(directory: str | os.PathLike[str], keep: int) -> list[str]
     root = Path(directory)
     if not root.is_dir():
         return []
-    _wait_pending(root)
+    wait_pending(root)
     rank, _ = process_group()
     suffix = f".rank{rank}"
     mine = []
@@ -444,7 +444,7 @@ def _looks_like_checkpoint(file: Path) -> bool:
     """Named like a checkpoint (whatever it is: ``_read`` refuses, and the caller warns about, one
     that is not a readable file), or a regular file that starts like a torch zip file."""
     name = file.name
-    if name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(name):
+    if name.endswith(_io.TMP_SUFFIX) or RANK_FILE.search(name):
         return False
     if name.endswith(_CHECKPOINT_SUFFIXES):
         return True
@@ -458,14 +458,14 @@ def _looks_like_checkpoint(file: Path) -> bool:
 def _check_rank_files(file: Path, payload: Mapping[str, Any], max_expanded_bytes: int | None) -> None:
     meta = payload["meta"]
     for r in range(1, meta["world_size"]):
-        if not _rank_path(file, r).is_file():
+        if not rank_path(file, r).is_file():
             raise CheckpointError(
-                f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is missing."
+                f"Checkpoint {file} is incomplete: rank {r}'s file {rank_path(file, r).name} is missing."
             )
-        other = _read(_rank_path(file, r), mmap=True, max_expanded_bytes=max_expanded_bytes)
+        other = _read(rank_path(file, r), mmap=True, max_expanded_bytes=max_expanded_bytes)
         if other["meta"]["sequence"] != meta["sequence"] or other["meta"]["world_size"] != meta["world_size"]:
             raise CheckpointError(
-                f"Checkpoint {file} is incomplete: rank {r}'s file {_rank_path(file, r).name} is from "
+                f"Checkpoint {file} is incomplete: rank {r}'s file {rank_path(file, r).name} is from "
                 "another save (different save sequence or world size)."
             )
 

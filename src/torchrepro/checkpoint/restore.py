@@ -27,18 +27,18 @@ import torch
 
 from torchrepro._runtime import process_group
 from torchrepro.checkpoint.format import (
-    _KIND_WORDS,
+    KIND_WORDS,
     _clock,
     _digest,
-    _env_differences,
     _environment,
-    _kind_of,
-    _rank_path,
     _unpack,
     _verify,
+    env_differences,
+    kind_of,
+    rank_path,
 )
-from torchrepro.checkpoint.reading import _MMAP, _check_limit, _read
-from torchrepro.checkpoint.writing import _wait_pending
+from torchrepro.checkpoint.reading import MMAP, _read, check_limit
+from torchrepro.checkpoint.writing import wait_pending
 from torchrepro.errors import CheckpointError, ReproError, ReproWarning, warn_once
 
 if TYPE_CHECKING:
@@ -112,15 +112,15 @@ def load_checkpoint(
     """
     from torchrepro.rng import RngState
 
-    _check_limit(max_expanded_bytes)
+    check_limit(max_expanded_bytes)
     # A file still being fsynced is complete at its path: reading it needs no wait. A background
     # fsync that already failed is raised here.
-    _wait_pending(block=False)
+    wait_pending(block=False)
     base = Path(path)
     rank, world_size = process_group()
-    file = _rank_path(base, rank)
+    file = rank_path(base, rank)
     read = functools.partial(
-        _read, map_location=map_location, mmap=_MMAP, max_expanded_bytes=max_expanded_bytes
+        _read, map_location=map_location, mmap=MMAP, max_expanded_bytes=max_expanded_bytes
     )
     if rank > 0 and not file.exists() and base.exists():
         payload = read(base)  # saved by fewer ranks: an invariant run may resume from rank 0's file
@@ -151,7 +151,7 @@ def load_checkpoint(
         if name not in entries:
             held = ", ".join(sorted(entries)) or "nothing"
             raise CheckpointError(f"Checkpoint {file} has no object {name!r}; it holds: {held}.")
-        kind, saved_kind = _kind_of(name, obj), entries[name]["kind"]
+        kind, saved_kind = kind_of(name, obj), entries[name]["kind"]
         if kind == "value":
             raise TypeError(
                 f"{name!r} is a plain value: load_checkpoint returns plain values "
@@ -159,8 +159,8 @@ def load_checkpoint(
             )
         if kind != saved_kind:
             raise CheckpointError(
-                f"Checkpoint {file} holds {_KIND_WORDS[saved_kind]} under {name!r}, but "
-                f"{_KIND_WORDS[kind]} ({type(obj).__qualname__}) was given to restore into."
+                f"Checkpoint {file} holds {KIND_WORDS[saved_kind]} under {name!r}, but "
+                f"{KIND_WORDS[kind]} ({type(obj).__qualname__}) was given to restore into."
             )
     generators = {n: o for n, o in objects.items() if entries[n]["kind"] == "generator"}
     if generators and not restore_rng:
@@ -168,7 +168,7 @@ def load_checkpoint(
             f"Generators {sorted(generators)} are restored with the RNG state; drop restore_rng=False."
         )
 
-    diffs = _env_differences(payload["env"], _environment(rank, world_size))
+    diffs = env_differences(payload["env"], _environment(rank, world_size))
     if diffs:
         warn_once(
             "checkpoint-env:" + "|".join(diffs),

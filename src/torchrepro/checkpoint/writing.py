@@ -32,17 +32,17 @@ import torch
 from torchrepro import _io
 from torchrepro._runtime import process_group
 from torchrepro.checkpoint.format import (
-    _MARKER,
-    _RANK_FILE,
     FORMAT_VERSION,
-    _check_loadable,
+    MARKER,
+    RANK_FILE,
     _clock,
     _clock_digest,
     _digest,
     _environment,
-    _kind_of,
-    _pack,
-    _rank_path,
+    check_loadable,
+    kind_of,
+    pack,
+    rank_path,
 )
 from torchrepro.errors import CheckpointError, CheckpointWriteError, ReproError
 
@@ -95,7 +95,7 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
             f"{durable!r}; to save an object named 'durable', give it another name."
         )
     target = Path(path)
-    if target.name.endswith(_io.TMP_SUFFIX) or _RANK_FILE.search(target.name):
+    if target.name.endswith(_io.TMP_SUFFIX) or RANK_FILE.search(target.name):
         raise ValueError(
             f"Checkpoint name {target.name!r} ends like a temporary or per-rank file "
             f"({_io.TMP_SUFFIX!r}, '.rank<N>'), which latest_checkpoint skips; choose another name."
@@ -107,26 +107,26 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
     entries: dict[str, dict[str, Any]] = {}
     generators: dict[str, Any] = {}
     for name, obj in objects.items():
-        kind = _kind_of(name, obj)
+        kind = kind_of(name, obj)
         if kind == "generator":
             generators[name] = obj
             entries[name] = {"kind": kind, "state": None, "digest": ""}
             continue
         state = obj if kind == "value" else obj.state_dict()
-        _check_loadable(state, name)
+        check_loadable(state, name)
         entries[name] = {"kind": kind, "state": state, "digest": _digest(state, name)}
         if kind == "module":  # gradients are state: a save inside an accumulation window needs them
             grads = _gradients(obj)
             entries[name].update(grads=grads, grads_digest=_digest(grads, name))
 
     try:
-        rng = _pack(RngState.capture(generators=generators).to_dict())
+        rng = pack(RngState.capture(generators=generators).to_dict())
     except ReproError as e:
         raise CheckpointError(f"Cannot save {target}: the RNG state cannot be captured: {e}") from None
-    _check_loadable(rng, "RNG state")
+    check_loadable(rng, "RNG state")
     saved_at_ns, sequence = _clock.tick()
     payload = {
-        _MARKER: FORMAT_VERSION,
+        MARKER: FORMAT_VERSION,
         "meta": {
             "saved_at_ns": saved_at_ns,
             "sequence": sequence,
@@ -139,9 +139,9 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
         "objects": entries,
         "rng": {"state": rng, "digest": _digest(rng, "RNG state")},
     }
-    _check_loadable(payload["env"], "environment record")
-    out = _rank_path(target, rank)
-    _wait_pending()  # one background fsync at a time; an earlier save's failure is raised here
+    check_loadable(payload["env"], "environment record")
+    out = rank_path(target, rank)
+    wait_pending()  # one background fsync at a time; an earlier save's failure is raised here
     existed = out.is_file()
     try:
         with _io.atomic_open(out, "wb", background=durable == "background") as f:
@@ -167,10 +167,10 @@ def wait_for_checkpoints() -> None:
     removed from its path: save it again). ``save_checkpoint(..., durable="now")`` waits for its
     own file; interpreter exit waits for all.
     """
-    _wait_pending()
+    wait_pending()
 
 
-def _wait_pending(directory: Path | None = None, *, block: bool = True) -> None:
+def wait_pending(directory: Path | None = None, *, block: bool = True) -> None:
     try:
         _io.wait_pending(directory, block=block)
     except _io.BackgroundSyncError as e:

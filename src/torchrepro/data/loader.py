@@ -24,10 +24,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._compat import generator_set
 from torchrepro._runtime import process_group
-from torchrepro.data.micro import _MicroBatchSampler, check_global_batch_size
-from torchrepro.data.sampler import _SeededSampler
-from torchrepro.data.view import _SeededCollate, _SeededDataset
-from torchrepro.data.watch import _find_rng_objects
+from torchrepro.data.micro import MicroBatchSampler, check_global_batch_size
+from torchrepro.data.sampler import SeededSampler
+from torchrepro.data.view import SeededCollate, SeededDataset
+from torchrepro.data.watch import find_rng_objects
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError, UnsupportedDatasetError
 from torchrepro.seeding import current_seed, derive_seed, validate_seed
 
@@ -59,7 +59,7 @@ _OWNED_KWARGS = {
 
 # The worker-seed generators SeededLoaders create: handed back by a framework that rebuilds a
 # SeededLoader from its attributes, they are dropped instead of refused.
-_OWN_GENERATORS: MutableSet[torch.Generator] = generator_set()
+OWN_GENERATORS: MutableSet[torch.Generator] = generator_set()
 
 
 def _drop_own_parts(kwargs: dict[str, Any]) -> None:
@@ -67,19 +67,19 @@ def _drop_own_parts(kwargs: dict[str, Any]) -> None:
     SeededLoader made (a framework rebuilding one from its attributes passes them back), and
     unwrap its collate function to the user's."""
     sampler = kwargs.get("sampler")
-    if isinstance(sampler, _SeededSampler):
+    if isinstance(sampler, SeededSampler):
         del kwargs["sampler"]
     batch_sampler = kwargs.get("batch_sampler")
-    if batch_sampler is not None and isinstance(getattr(batch_sampler, "sampler", None), _SeededSampler):
+    if batch_sampler is not None and isinstance(getattr(batch_sampler, "sampler", None), SeededSampler):
         del kwargs["batch_sampler"]
-    if kwargs.get("generator") in _OWN_GENERATORS:
+    if kwargs.get("generator") in OWN_GENERATORS:
         del kwargs["generator"]
     collate_fn = kwargs.get("collate_fn")
-    if isinstance(collate_fn, _SeededCollate):
+    if isinstance(collate_fn, SeededCollate):
         kwargs["collate_fn"] = collate_fn.collate_fn
 
 
-def _fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
+def fixed_shard(rank: int | None, world_size: int | None) -> tuple[int, int] | None:
     """The shard given as ``rank``/``world_size``, validated; ``None`` to follow torch.distributed."""
     if rank is None and world_size is None:
         return None
@@ -118,7 +118,7 @@ def _check_global_batch(global_batch_size: Any, batch_size: int, length: int, dr
         )
 
 
-def _checked_arguments(
+def checked_arguments(
     batch_size: Any, shuffle: Any, drop_last: Any, seed: Any, kwargs: dict[str, Any]
 ) -> int:
     """Check what every SeededLoader takes (the ``DataLoader`` arguments it owns are refused and
@@ -159,7 +159,7 @@ def _checked_arguments(
     return validate_seed(seed)
 
 
-class _SeededLoaderIter:
+class SeededLoaderIter:
     """One pass of a ``SeededLoader``: counts the batches the training loop receives.
 
     The pass starts at the first ``next()``, not at ``iter()``: frameworks create the iterator
@@ -174,7 +174,7 @@ class _SeededLoaderIter:
         self._pass_id: object = None
         self._received = 0
 
-    def __iter__(self) -> _SeededLoaderIter:
+    def __iter__(self) -> SeededLoaderIter:
         return self
 
     def _begin(self) -> Iterator[Any]:
@@ -288,7 +288,7 @@ class SeededLoader(DataLoader[Any]):
         global_batch_size: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
-        if isinstance(dataset, _SeededDataset):  # rebuilt from another SeededLoader's parts
+        if isinstance(dataset, SeededDataset):  # rebuilt from another SeededLoader's parts
             seed = dataset._tr_seed if seed is None else seed
             dataset = dataset._tr_source
         _drop_own_parts(dataloader_kwargs)
@@ -308,13 +308,13 @@ class SeededLoader(DataLoader[Any]):
                 f"SeededLoader needs a map-style dataset with __getitem__ and __len__, got "
                 f"{type(dataset).__name__}."
             )
-        seed = _checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
+        seed = checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
         if "shuffle_buffer" in dataloader_kwargs:
             raise LoaderConfigError(
                 "shuffle_buffer= is for streamed data (a torchrepro.ShardedDataset); a map-style "
                 "dataset is shuffled whole each epoch (shuffle=True)."
             )
-        shard = _fixed_shard(rank, world_size)
+        shard = fixed_shard(rank, world_size)
 
         collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
         parts: dict[str, Any] = {
@@ -326,21 +326,21 @@ class SeededLoader(DataLoader[Any]):
             "shard": shard,
         }
         if global_batch_size is None:
-            sampler: _SeededSampler = _SeededSampler(**parts)
+            sampler: SeededSampler = SeededSampler(**parts)
         else:
             _check_global_batch(global_batch_size, batch_size, len(dataset), drop_last)
-            sampler = _MicroBatchSampler(global_batch_size=global_batch_size, **parts)
+            sampler = MicroBatchSampler(global_batch_size=global_batch_size, **parts)
         # Worker base seeds (DataLoader draws one per iterator) come from this generator, reseeded
         # per pass: iter() never draws from the global torch RNG.
         generator = torch.Generator()
         generator.manual_seed(derive_seed(seed, "workers", 0))
-        _OWN_GENERATORS.add(generator)
+        OWN_GENERATORS.add(generator)
         super().__init__(
-            _SeededDataset(dataset, seed, collate_fn, _find_rng_objects(dataset)),
+            SeededDataset(dataset, seed, collate_fn, find_rng_objects(dataset)),
             batch_size=batch_size,
             sampler=sampler,
             num_workers=num_workers,
-            collate_fn=_SeededCollate(collate_fn),
+            collate_fn=SeededCollate(collate_fn),
             drop_last=drop_last,
             generator=generator,
             **dataloader_kwargs,
@@ -360,14 +360,14 @@ class SeededLoader(DataLoader[Any]):
     def global_batch_size(self) -> int | None:
         """The samples of a global batch (``None``: the loader has no global batches)."""
         sampler = self._seeded_sampler
-        return sampler.global_batch_size if isinstance(sampler, _MicroBatchSampler) else None
+        return sampler.global_batch_size if isinstance(sampler, MicroBatchSampler) else None
 
     @property
     def micro_batches(self) -> int:
         """``V``: the micro-batches of a global batch (``global_batch_size // batch_size``); 1
         without ``global_batch_size``."""
         sampler = self._seeded_sampler
-        return sampler.micro_batches if isinstance(sampler, _MicroBatchSampler) else 1
+        return sampler.micro_batches if isinstance(sampler, MicroBatchSampler) else 1
 
     @property
     def accumulation_steps(self) -> int:
@@ -376,14 +376,14 @@ class SeededLoader(DataLoader[Any]):
         ``global_batch_size``. Raises ``LoaderConfigError`` naming the world sizes that work when
         the world size does not divide ``V``."""
         sampler = self._seeded_sampler
-        return sampler.accumulation_steps() if isinstance(sampler, _MicroBatchSampler) else 1
+        return sampler.accumulation_steps() if isinstance(sampler, MicroBatchSampler) else 1
 
     @property
     def source_dataset(self) -> Any:
         """The dataset you passed (``loader.dataset`` is a seeding view of it that forwards its
         attributes and plain indices)."""
         view = self.dataset
-        assert isinstance(view, _SeededDataset)
+        assert isinstance(view, SeededDataset)
         return view._tr_source
 
     @property
@@ -402,8 +402,8 @@ class SeededLoader(DataLoader[Any]):
         """
         self._seeded_sampler.set_epoch(epoch)
 
-    def __iter__(self) -> _SeededLoaderIter:  # type: ignore[override]
-        return _SeededLoaderIter(self)
+    def __iter__(self) -> SeededLoaderIter:  # type: ignore[override]
+        return SeededLoaderIter(self)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -504,7 +504,7 @@ class SeededLoader(DataLoader[Any]):
         """The micro-batches a rank of ``world`` has received at the position where a rank of
         ``saved_world`` had received ``batches``: the same number of whole global batches."""
         sampler = self._seeded_sampler
-        assert isinstance(sampler, _MicroBatchSampler)
+        assert isinstance(sampler, MicroBatchSampler)
         if saved_world < 1:
             raise DataLoaderStateError(f"Loader state has world_size={saved_world}; expected an int >= 1.")
         try:

@@ -21,8 +21,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from torchrepro._runtime import process_group
-from torchrepro.data.keys import _KEY_MARK, _SampleKey
-from torchrepro.data.sampler import _SeededSampler
+from torchrepro.data.keys import KEY_MARK, SampleKey
+from torchrepro.data.sampler import SeededSampler
 from torchrepro.errors import LoaderConfigError
 
 
@@ -58,7 +58,7 @@ def check_global_batch_size(global_batch_size: Any, batch_size: int) -> None:
         )
 
 
-class _MicroBatchSampler(_SeededSampler):
+class MicroBatchSampler(SeededSampler):
     """Yields this rank's micro-batches of every global batch of an epoch, and holds the position."""
 
     def __init__(self, *, global_batch_size: int, **kwargs: object) -> None:
@@ -105,15 +105,15 @@ class _MicroBatchSampler(_SeededSampler):
             rank, world_size = process_group(self.fixed_shard)
         return [i for _, indices in self.micro_batch_keys(epoch, rank, world_size) for i in indices]
 
-    def _keys(self, epoch: int, start: int, pass_id: object, own: bool) -> Iterator[_SampleKey]:
+    def _keys(self, epoch: int, start: int, pass_id: object, own: bool) -> Iterator[SampleKey]:
         rank, world_size = process_group(self.fixed_shard)
         micro = self.micro_batch_keys(epoch, rank, world_size)
         for local in range(start, len(micro)):
             key_batch, indices = micro[local]
             for n, index in enumerate(indices):
                 if not own and n == len(indices) - 1 and self.pass_id is pass_id:
-                    self.batches = local + 1  # a rebuilt loader's pass: see _SeededSampler._keys
-                yield (epoch, key_batch, index, _KEY_MARK)
+                    self.batches = local + 1  # a rebuilt loader's pass: see SeededSampler._keys
+                yield (epoch, key_batch, index, KEY_MARK)
         if not own and self.pass_id is pass_id:
             self.batches = len(micro)
             self.end_pass()

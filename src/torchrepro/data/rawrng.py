@@ -190,7 +190,7 @@ class _NumpyMT:
             random_state.set_state(saved)
 
 
-_numpy_mt = _NumpyMT()
+numpy_mt = _NumpyMT()
 
 
 _PY_BYTES = 4 + 624 * 4  # CPython's RandomObject: int index, then uint32_t state[624]

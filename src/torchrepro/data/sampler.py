@@ -10,7 +10,7 @@ Invariants:
 - The sampler holds the position (epoch, batches received, whether the pass ended), so a
   framework that rebuilds a plain ``DataLoader`` from the loader's parts keeps it; such a pass
   advances the epoch by itself. A pass accelerate would shard a second time is refused.
-- It yields ``keys._SampleKey`` tuples, which ``view._SeededDataset`` loads; other samplers
+- It yields ``keys.SampleKey`` tuples, which ``view.SeededDataset`` loads; other samplers
   (of micro-batches, of a streamed source) are sibling modules that yield the same keys.
 """
 
@@ -25,12 +25,12 @@ from torch.utils.data import Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from torchrepro._runtime import process_group
-from torchrepro.data.keys import _KEY_MARK, _SampleKey
+from torchrepro.data.keys import KEY_MARK, SampleKey
 from torchrepro.errors import LoaderConfigError
 from torchrepro.seeding import derive_seed
 
 
-class _Position:
+class Position:
     """Where a loader is: the epoch of the current pass, the batches of it the training loop
     received, and whether the pass ended (its iterator was exhausted).
 
@@ -88,7 +88,7 @@ class _Position:
         self.pass_id = object()
 
 
-class _FollowsGroup:
+class FollowsGroup:
     """``DistributedSampler``'s ``rank`` and ``num_replicas``, read when asked: they follow the
     process group (or ``fixed_shard``, the ``rank``/``world_size`` a loader was given)."""
 
@@ -103,7 +103,7 @@ class _FollowsGroup:
         return process_group(self.fixed_shard)[1]
 
 
-class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]):  # type: ignore[override]
+class SeededSampler(Position, FollowsGroup, DistributedSampler[SampleKey]):  # type: ignore[override]
     """Yields the sample keys of this rank's shard of one epoch, and holds the position.
 
     A ``DistributedSampler`` (frameworks that replace a loader's sampler with a distributed one,
@@ -138,7 +138,7 @@ class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]): 
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.fixed_shard = shard
-        _Position.__init__(self)
+        Position.__init__(self)
 
     def _sizes(self, world_size: int) -> tuple[int, int]:
         """``(num_samples, total_size)`` for ``world_size`` ranks."""
@@ -181,7 +181,7 @@ class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]): 
             indices += (indices * math.ceil(padding / len(indices)))[:padding]
         return indices[rank:total_size:world_size]
 
-    def __iter__(self) -> Iterator[_SampleKey]:
+    def __iter__(self) -> Iterator[SampleKey]:
         if self.armed:  # SeededLoader.__iter__ began this pass and counts what it delivers
             self.armed = False
             own = True
@@ -191,7 +191,7 @@ class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]): 
             own = False
         return self._keys(self.epoch, self.batches, self.pass_id, own)
 
-    def _keys(self, epoch: int, start: int, pass_id: object, own: bool) -> Iterator[_SampleKey]:
+    def _keys(self, epoch: int, start: int, pass_id: object, own: bool) -> Iterator[SampleKey]:
         batch_size = self.batch_size
         indices = self.shard(epoch)
         end = len(indices)
@@ -204,7 +204,7 @@ class _SeededSampler(_Position, _FollowsGroup, DistributedSampler[_SampleKey]): 
                 # which is loaded as soon as it is taken). Without workers that is what the loop
                 # received; with workers it is ahead by what they prefetched.
                 self.batches = batch + 1
-            yield (epoch, batch, indices[pos], _KEY_MARK)
+            yield (epoch, batch, indices[pos], KEY_MARK)
         if not own and self.pass_id is pass_id:
             self.batches = self.num_batches()
             self.end_pass()

@@ -27,16 +27,16 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchrepro._compat import numpy_or_none
-from torchrepro.data.rawrng import _numpy_mt, _python_mt
+from torchrepro.data.rawrng import _python_mt, numpy_mt
 from torchrepro.data.view import _active
-from torchrepro.data.watch import _changed, _rng_tokens, _Watch
+from torchrepro.data.watch import Watch, _changed, rng_tokens
 from torchrepro.errors import ShardReadError
-from torchrepro.seeding import TORCH_RNG, _Deriver, derive_seed, sample_seeder
+from torchrepro.seeding import TORCH_RNG, Deriver, derive_seed, sample_seeder
 
 __all__ = ["ShardedDataset"]
 
-_TASK_MARK: Final = 0x5A4D5EED
-_Task = tuple[int, int, int, int, int]  # (epoch, shard index, shard position in the epoch, start, mark)
+TASK_MARK: Final = 0x5A4D5EED
+Task = tuple[int, int, int, int, int]  # (epoch, shard index, shard position in the epoch, start, mark)
 
 
 def _takes_start(read_shard: Callable[..., Any]) -> bool:
@@ -136,7 +136,7 @@ class ShardedDataset(IterableDataset[Any]):
         np = numpy_or_none()
         watch = self.__dict__.get("_tr_watch")
         if watch is None:
-            watch = self._tr_watch = _Watch()
+            watch = self._tr_watch = Watch()
         while True:
             once = watch.available & ~watch.drawn
             result = self._read_seeded(
@@ -155,9 +155,9 @@ class ShardedDataset(IterableDataset[Any]):
         before = None
         if once:
             sample_seeder(np, once)(derive_seed(seed, "shard", epoch, index))
-            before = _rng_tokens(once, np)
+            before = rng_tokens(once, np)
         seed_globals = sample_seeder(np, per_sample)
-        key = _Deriver(seed, ("sample", epoch, index), 4)
+        key = Deriver(seed, ("sample", epoch, index), 4)
         active = _active
         outer = (active.seed, active.rng)
         offset = start if (start and self.takes_start) else 0
@@ -219,7 +219,7 @@ class _HFShard:
             yield {key: value[0] for key, value in batch.items()}
 
 
-class _ShardTasks(torch.utils.data.Dataset[Any]):
+class ShardTasks(torch.utils.data.Dataset[Any]):
     """What the inner ``DataLoader`` of a streaming ``SeededLoader`` loads: a task is one shard
     from an offset, and its result that shard's samples (``ShardedDataset.read``). In the main
     process the global RNG states are put back after each shard."""
@@ -231,21 +231,21 @@ class _ShardTasks(torch.utils.data.Dataset[Any]):
     def __len__(self) -> int:
         return len(self.source.shards)
 
-    def __getitem__(self, task: _Task) -> tuple[int, list[tuple[int, Any]] | bytes, int]:
+    def __getitem__(self, task: Task) -> tuple[int, list[tuple[int, Any]] | bytes, int]:
         epoch, index, position, start, mark = task
-        if mark != _TASK_MARK:
+        if mark != TASK_MARK:
             raise TypeError("a streaming SeededLoader's inner dataset is indexed by its own tasks only")
         if get_worker_info() is not None:
             samples, length = self.source.read(self.seed, epoch, index, start)
             return position, _pack(samples), length
         np = numpy_or_none()
-        saved = (_python_mt.save(), _numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
+        saved = (_python_mt.save(), numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
         try:
             samples, length = self.source.read(self.seed, epoch, index, start)
         finally:
             _python_mt.restore(saved[0])
             if np is not None:
-                _numpy_mt.restore(np, saved[1])
+                numpy_mt.restore(np, saved[1])
             torch.set_rng_state(saved[2])
         return position, samples, length
 
@@ -289,6 +289,6 @@ def _pack(samples: list[tuple[int, Any]]) -> bytes:
     return out.getvalue()
 
 
-def _as_is(result: Any) -> Any:
+def as_is(result: Any) -> Any:
     """The inner loader's ``collate_fn``: a shard's result passes through unchanged."""
     return result

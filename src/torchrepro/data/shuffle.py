@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from torchrepro.seeding import _Deriver
+from torchrepro.seeding import Deriver
 
 Id = tuple[int, int]  # (shard position in the epoch's order, offset in the shard)
 
@@ -30,7 +30,7 @@ class ShuffleBuffer:
         self.capacity = max(int(capacity), 1)
         self.items: list[Any] = []
         self.emitted = 0
-        self._key = _Deriver(seed, ("shuffle", epoch), 3)
+        self._key = Deriver(seed, ("shuffle", epoch), 3)
         self._keys: list[int] = []
         self._keys_from = 0
 

@@ -34,21 +34,21 @@ from torch.utils.data.distributed import DistributedSampler
 from torchrepro._compat import numpy_or_none
 from torchrepro._runtime import process_group
 from torchrepro.data.loader import (
-    _OWN_GENERATORS,
+    OWN_GENERATORS,
     STATE_VERSION,
     SeededLoader,
-    _checked_arguments,
-    _fixed_shard,
-    _SeededLoaderIter,
+    SeededLoaderIter,
+    checked_arguments,
+    fixed_shard,
 )
 from torchrepro.data.micro import check_global_batch_size, micro_batches_per_rank
-from torchrepro.data.rawrng import _numpy_mt, _python_mt
-from torchrepro.data.sampler import _FollowsGroup, _Position
-from torchrepro.data.sharded import _TASK_MARK, ShardedDataset, _as_is, _ShardTasks, _Task
+from torchrepro.data.rawrng import _python_mt, numpy_mt
+from torchrepro.data.sampler import FollowsGroup, Position
+from torchrepro.data.sharded import TASK_MARK, ShardedDataset, ShardTasks, Task, as_is
 from torchrepro.data.shuffle import replay
 from torchrepro.data.view import _active
 from torchrepro.errors import DataLoaderStateError, LoaderConfigError
-from torchrepro.seeding import _Deriver, derive_seed, sample_seeder
+from torchrepro.seeding import Deriver, derive_seed, sample_seeder
 
 __all__ = ["DEFAULT_SHUFFLE_BUFFER", "ShardedDataset", "StreamingLoader"]
 
@@ -56,7 +56,7 @@ DEFAULT_SHUFFLE_BUFFER = 1000
 """Samples the shuffle buffer holds when ``shuffle=True`` and no ``shuffle_buffer`` is given."""
 
 
-class _StreamSampler(_Position, _FollowsGroup, DistributedSampler[_Task]):  # type: ignore[override]
+class _StreamSampler(Position, FollowsGroup, DistributedSampler[Task]):  # type: ignore[override]
     """The position of a streaming loader, and the shard tasks of the pass under way.
 
     A ``DistributedSampler`` only so that frameworks which give a distributed loader one of their
@@ -66,13 +66,13 @@ class _StreamSampler(_Position, _FollowsGroup, DistributedSampler[_Task]):  # ty
     def __init__(self, shard: tuple[int, int] | None) -> None:
         # DistributedSampler.__init__ needs a process group or a fixed shard; neither is needed here.
         Sampler.__init__(self)
-        _Position.__init__(self)
+        Position.__init__(self)
         self.fixed_shard = shard
-        self.tasks: list[_Task] = []
+        self.tasks: list[Task] = []
         self.lengths: dict[int, int] = {}  # shard index -> length, in `lengths_epoch`
         self.lengths_epoch = 0
 
-    def __iter__(self) -> Iterator[_Task]:
+    def __iter__(self) -> Iterator[Task]:
         return iter(self.tasks)
 
     def __len__(self) -> int:
@@ -119,7 +119,7 @@ class StreamingLoader(SeededLoader):
         shuffle_buffer: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
-        seed = _checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
+        seed = checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
         if shuffle_buffer is None:
             shuffle_buffer = DEFAULT_SHUFFLE_BUFFER if shuffle else 1
         elif isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
@@ -138,18 +138,18 @@ class StreamingLoader(SeededLoader):
                     "size: pass drop_last=True with global_batch_size (the incomplete global batch at "
                     "the end of each epoch is dropped)."
                 )
-        sampler = _StreamSampler(_fixed_shard(rank, world_size))
+        sampler = _StreamSampler(fixed_shard(rank, world_size))
         collate_fn = dataloader_kwargs.pop("collate_fn", None) or default_collate
         generator = torch.Generator()
         generator.manual_seed(derive_seed(seed, "workers", 0))
-        _OWN_GENERATORS.add(generator)
+        OWN_GENERATORS.add(generator)
         DataLoader.__init__(
             self,
-            _ShardTasks(dataset, seed),
+            ShardTasks(dataset, seed),
             batch_size=None,
             sampler=sampler,
             num_workers=num_workers,
-            collate_fn=_as_is,
+            collate_fn=as_is,
             generator=generator,
             **dataloader_kwargs,
         )
@@ -342,7 +342,7 @@ class StreamingLoader(SeededLoader):
 ShardedDataset._tr_loader = StreamingLoader  # SeededLoader(ShardedDataset(...)) builds one
 
 
-class _StreamIter(_SeededLoaderIter):
+class _StreamIter(SeededLoaderIter):
     """One pass of a streaming loader: the batches of this rank, from the position."""
 
     def _batches(self) -> Iterator[Any]:
@@ -390,7 +390,7 @@ def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
     if fp < len(order):
         starts[fp] = min(starts.get(fp, fo), fo)
         starts.update({p: 0 for p in range(fp + 1, len(order))})
-    pos.tasks = [(epoch, order[p], p, starts[p], _TASK_MARK) for p in sorted(starts)]
+    pos.tasks = [(epoch, order[p], p, starts[p], TASK_MARK) for p in sorted(starts)]
     shards = DataLoader.__iter__(loader) if pos.tasks else iter(())
 
     contents: dict[tuple[int, int], Any] = {}
@@ -412,7 +412,7 @@ def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
         for out in buffer.drain():
             yield contents.pop(out)
 
-    batch_key = _Deriver(seed, ("batch", epoch), 3)
+    batch_key = Deriver(seed, ("batch", epoch), 3)
     group = world_size * per_step  # batches of `batch_size` in a step
     items: list[Any] = []
     step_index = steps_done
@@ -438,11 +438,11 @@ def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
         )
 
 
-def _collate(loader: StreamingLoader, samples: list[Any], key: _Deriver, batch_index: int) -> Any:
+def _collate(loader: StreamingLoader, samples: list[Any], key: Deriver, batch_index: int) -> Any:
     """``collate_fn(samples)`` seeded from the global batch index; the main process's global RNG
     states put back after it."""
     np = numpy_or_none()
-    saved = (_python_mt.save(), _numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
+    saved = (_python_mt.save(), numpy_mt.save(np) if np is not None else None, torch.get_rng_state())
     active = _active
     outer = (active.seed, active.rng)
     try:
@@ -454,5 +454,5 @@ def _collate(loader: StreamingLoader, samples: list[Any], key: _Deriver, batch_i
         active.seed, active.rng = outer
         _python_mt.restore(saved[0])
         if np is not None:
-            _numpy_mt.restore(np, saved[1])
+            numpy_mt.restore(np, saved[1])
         torch.set_rng_state(saved[2])

@@ -14,7 +14,7 @@ Invariants:
   (through ``rawrng``), so loading never moves the training loop's RNG stream.
 - The view is self-sufficient: it holds the seed, the user's collate function and where the
   dataset's RNG objects are, forwards the user's attributes and plain indices, and pickles to
-  workers; ``_SeededCollate`` unwraps what it collated. A framework that rebuilds a plain
+  workers; ``SeededCollate`` unwraps what it collated. A framework that rebuilds a plain
   ``DataLoader`` from a loader's parts gets the same batches.
 """
 
@@ -27,11 +27,11 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from torchrepro._compat import numpy_or_none, require_numpy
-from torchrepro.data.keys import _is_key, _SampleKey
-from torchrepro.data.rawrng import _numpy_mt, _python_mt, raw_access, set_raw_access
-from torchrepro.data.watch import _changed, _Path, _reseed_objects, _rng_tokens, _Watch
+from torchrepro.data.keys import SampleKey, is_key
+from torchrepro.data.rawrng import _python_mt, numpy_mt, raw_access, set_raw_access
+from torchrepro.data.watch import Path, Watch, _changed, reseed_objects, rng_tokens
 from torchrepro.errors import LoaderConfigError
-from torchrepro.seeding import TORCH_RNG, _Deriver, sample_seeder
+from torchrepro.seeding import TORCH_RNG, Deriver, sample_seeder
 
 __all__ = ["sample_rng"]
 
@@ -85,7 +85,7 @@ def sample_rng() -> Any:
 
 
 class _Collated:
-    """A batch already collated by ``_SeededDataset.__getitems__`` (unwrapped by ``_SeededCollate``)."""
+    """A batch already collated by ``SeededDataset.__getitems__`` (unwrapped by ``SeededCollate``)."""
 
     __slots__ = ("value",)
 
@@ -93,8 +93,8 @@ class _Collated:
         self.value = value
 
 
-class _SeededCollate:
-    """The loader's ``collate_fn``: the batch was collated, seeded, by ``_SeededDataset``.
+class SeededCollate:
+    """The loader's ``collate_fn``: the batch was collated, seeded, by ``SeededDataset``.
 
     ``collate_fn`` is the user's collate function.
     """
@@ -108,7 +108,7 @@ class _SeededCollate:
         return self.collate_fn(batch)  # called directly by user code: no key to seed with
 
 
-class _SeededDataset(Dataset[Any]):
+class SeededDataset(Dataset[Any]):
     """The user's dataset as a ``SeededLoader`` loads it: ``loader.dataset``.
 
     ``__getitems__`` loads a batch of sample keys, each sample seeded, and collates it seeded;
@@ -124,14 +124,14 @@ class _SeededDataset(Dataset[Any]):
     sample is reseeded before it runs, so no sample sees what the previous one left.
     """
 
-    def __init__(self, dataset: Any, seed: int, collate_fn: Any, rng_paths: tuple[_Path, ...]) -> None:
+    def __init__(self, dataset: Any, seed: int, collate_fn: Any, rng_paths: tuple[Path, ...]) -> None:
         self._tr_source = dataset
         self._tr_seed = seed
         self._tr_collate_fn = collate_fn
         self._tr_rng_paths = rng_paths
         self._tr_batched = callable(getattr(dataset, "__getitems__", None))
-        self._tr_derivers: tuple[int, _Deriver, _Deriver, _Deriver | None] | None = None
-        self._tr_watch = _Watch()
+        self._tr_derivers: tuple[int, Deriver, Deriver, Deriver | None] | None = None
+        self._tr_watch = Watch()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names this object lacks. Private and dunder names are never forwarded
@@ -158,26 +158,26 @@ class _SeededDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self._tr_source)
 
-    def _derivers_for(self, epoch: int) -> tuple[_Deriver, _Deriver, _Deriver | None]:
+    def _derivers_for(self, epoch: int) -> tuple[Deriver, Deriver, Deriver | None]:
         cached = self._tr_derivers
         if cached is None or cached[0] != epoch:
-            objects = _Deriver(self._tr_seed, ("object", epoch), 4) if self._tr_rng_paths else None
+            objects = Deriver(self._tr_seed, ("object", epoch), 4) if self._tr_rng_paths else None
             cached = (
                 epoch,
-                _Deriver(self._tr_seed, ("sample", epoch), 3),
-                _Deriver(self._tr_seed, ("batch", epoch), 3),
+                Deriver(self._tr_seed, ("sample", epoch), 3),
+                Deriver(self._tr_seed, ("batch", epoch), 3),
                 objects,
             )
             self._tr_derivers = cached
         return cached[1], cached[2], cached[3]
 
     def __getitem__(self, key: Any) -> Any:
-        if not _is_key(key):
+        if not is_key(key):
             return self._tr_source[key]
         return self._load([key]).value
 
     def __getitems__(self, keys: Sequence[Any]) -> Any:
-        if not keys or not _is_key(keys[0]):  # plain indices: the user's dataset, unseeded
+        if not keys or not is_key(keys[0]):  # plain indices: the user's dataset, unseeded
             source = self._tr_source
             if self._tr_batched:
                 return source.__getitems__(keys)
@@ -185,7 +185,7 @@ class _SeededDataset(Dataset[Any]):
         return self._load(keys)
 
     def _load_samples(
-        self, indices: list[int], seeds: list[int], batch_seed: int, object_seed: _Deriver | None, np: Any
+        self, indices: list[int], seeds: list[int], batch_seed: int, object_seed: Deriver | None, np: Any
     ) -> list[Any]:
         """Load ``dataset[i]`` for each index, every global RNG it draws from seeded per sample;
         on return every global RNG is in the state seeding it with ``batch_seed`` gives (what
@@ -211,7 +211,7 @@ class _SeededDataset(Dataset[Any]):
             before = None
             if unseeded:
                 sample_seeder(np, unseeded)(batch_seed)
-                before = _rng_tokens(unseeded, np)
+                before = rng_tokens(unseeded, np)
             seed_globals = sample_seeder(np, seeded | TORCH_RNG)
             samples: list[Any] = []
             append = samples.append
@@ -221,15 +221,15 @@ class _SeededDataset(Dataset[Any]):
                 seed_globals(s)
                 active.seed, active.rng = s, None
                 if object_seed is not None:
-                    _reseed_objects(dataset, self._tr_rng_paths, index, object_seed, np)
+                    reseed_objects(dataset, self._tr_rng_paths, index, object_seed, np)
                 append(dataset[index])
             if learning:
                 index, s = indices[last], seeds[last]
                 seed_globals(s)
-                tokens = _rng_tokens(learning, np)
+                tokens = rng_tokens(learning, np)
                 active.seed, active.rng = s, None
                 if object_seed is not None:
-                    _reseed_objects(dataset, self._tr_rng_paths, index, object_seed, np)
+                    reseed_objects(dataset, self._tr_rng_paths, index, object_seed, np)
                 append(dataset[index])
             if before is not None:
                 disturbed = _changed(unseeded, before, np)
@@ -244,13 +244,13 @@ class _SeededDataset(Dataset[Any]):
             seed_globals(batch_seed)
             return samples
 
-    def _load(self, keys: Sequence[_SampleKey]) -> _Collated:
+    def _load(self, keys: Sequence[SampleKey]) -> _Collated:
         np = numpy_or_none()
         in_main = get_worker_info() is None
         if in_main:
             saved = (
                 _python_mt.save(),
-                _numpy_mt.save(np) if np is not None else None,
+                numpy_mt.save(np) if np is not None else None,
                 torch.get_rng_state(),
             )
         active = _active
@@ -280,5 +280,5 @@ class _SeededDataset(Dataset[Any]):
             if in_main:
                 _python_mt.restore(saved[0])
                 if np is not None:
-                    _numpy_mt.restore(np, saved[1])
+                    numpy_mt.restore(np, saved[1])
                 torch.set_rng_state(saved[2])

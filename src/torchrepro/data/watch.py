@@ -1,11 +1,11 @@
 """Which global RNGs a dataset draws from, and the RNG objects it holds.
 
 Invariants:
-- ``_Watch`` is one process's view of which of Python's ``random`` and NumPy's global RNG a
+- ``Watch`` is one process's view of which of Python's ``random`` and NumPy's global RNG a
   dataset draws from (torch's CPU RNG is always seeded per sample: it costs 2 us, and a dataset
   may read ``torch.initial_seed()`` without drawing, which no check after a batch could see). What
   a process learned only decides how much seeding work it does, never a sample's value.
-- ``_rng_tokens`` changes whenever one of the named global RNGs is seeded or drawn from (through
+- ``rng_tokens`` changes whenever one of the named global RNGs is seeded or drawn from (through
   ``rawrng``'s tokens, a fraction of a full save); ``_changed`` names the ones that moved.
 - RNG objects a dataset holds (``random.Random`` but not ``SystemRandom``, ``torch.Generator``,
   ``numpy.random.Generator``/``RandomState``: copied into every worker, where each would repeat
@@ -22,14 +22,14 @@ from typing import Any
 import torch
 
 from torchrepro._compat import numpy_or_none
-from torchrepro.data.rawrng import _numpy_mt, _python_mt
-from torchrepro.seeding import NUMPY_RNG, PYTHON_RNG, TORCH_RNG, _Deriver
+from torchrepro.data.rawrng import _python_mt, numpy_mt
+from torchrepro.seeding import NUMPY_RNG, PYTHON_RNG, TORCH_RNG, Deriver
 
 # --------------------------------------------------------------------------------------------
 # The global RNGs.
 
 
-class _Watch:
+class Watch:
     """Which global RNGs (``seeding.*_RNG`` bits) a dataset draws from, as one process saw it."""
 
     __slots__ = ("available", "drawn", "seeded")
@@ -48,18 +48,18 @@ class _Watch:
         self.available, self.drawn, self.seeded = state
 
 
-def _rng_tokens(which: int, np: Any) -> tuple[Any, Any, Any]:
+def rng_tokens(which: int, np: Any) -> tuple[Any, Any, Any]:
     """Something that changes whenever the global RNGs in ``which`` are drawn from."""
     return (
         _python_mt.token() if which & PYTHON_RNG else None,
-        _numpy_mt.token(np) if which & NUMPY_RNG else None,
+        numpy_mt.token(np) if which & NUMPY_RNG else None,
         torch.default_generator.get_state() if which & TORCH_RNG else None,
     )
 
 
 def _changed(which: int, before: tuple[Any, Any, Any], np: Any) -> int:
     """The RNGs in ``which`` whose state differs from the tokens ``before``."""
-    now = _rng_tokens(which, np)
+    now = rng_tokens(which, np)
     changed = 0
     if which & PYTHON_RNG and now[0] != before[0]:
         changed |= PYTHON_RNG
@@ -82,17 +82,17 @@ def _rng_types() -> tuple[type, ...]:
     return tuple(types)
 
 
-_Path = tuple[str | int, ...]
+Path = tuple[str | int, ...]
 
 
-def _find_rng_objects(dataset: object, *, max_depth: int = 4, max_items: int = 64) -> tuple[_Path, ...]:
+def find_rng_objects(dataset: object, *, max_depth: int = 4, max_items: int = 64) -> tuple[Path, ...]:
     """Attribute paths (names, list positions) from ``dataset`` to the RNG objects it holds."""
     rng_types = _rng_types()
-    found: list[_Path] = []
+    found: list[Path] = []
     seen: set[int] = set()
     skip = (str, bytes, int, float, bool, torch.Tensor, torch.nn.Module, type)
 
-    def visit(obj: object, path: _Path) -> None:
+    def visit(obj: object, path: Path) -> None:
         if id(obj) in seen or isinstance(obj, skip) or len(path) > max_depth:
             return
         seen.add(id(obj))
@@ -113,7 +113,7 @@ def _find_rng_objects(dataset: object, *, max_depth: int = 4, max_items: int = 6
     return tuple(path for path in found if path)
 
 
-def _resolve(root: object, path: _Path) -> object:
+def _resolve(root: object, path: Path) -> object:
     obj = root
     for step in path:
         obj = obj[step] if isinstance(step, int) else getattr(obj, step)  # type: ignore[index]
@@ -132,8 +132,8 @@ def _reseed_object(obj: object, s: int, np: Any) -> None:
         bit_generator.state = type(bit_generator)(s).state
 
 
-def _reseed_objects(
-    dataset: object, paths: tuple[_Path, ...], index: int, object_seed: _Deriver, np: Any
+def reseed_objects(
+    dataset: object, paths: tuple[Path, ...], index: int, object_seed: Deriver, np: Any
 ) -> None:
     """Reseed the RNG objects ``dataset`` holds at ``paths`` for sample ``index`` (``object_seed``:
     the epoch's ``derive_seed(seed, "object", epoch, ...)``)."""
@@ -141,5 +141,5 @@ def _reseed_objects(
         _reseed_object(_resolve(dataset, path), object_seed(index, _path_key(path)), np)
 
 
-def _path_key(path: _Path) -> str:
+def _path_key(path: Path) -> str:
     return ".".join(str(step) for step in path)

@@ -113,7 +113,7 @@ _COMPUTE_PACKAGES = frozenset(
     ]
 )
 #: Tooling reported for context only (logging, configuration, progress bars).
-_TOOLING_PACKAGES = frozenset(["tensorboard", "wandb", "mlflow", "tqdm", "hydra-core", "omegaconf", "rich"])
+TOOLING_PACKAGES = frozenset(["tensorboard", "wandb", "mlflow", "tqdm", "hydra-core", "omegaconf", "rich"])
 
 #: CPU features that select different kernels in torch, oneDNN or MKL.
 _CPU_FLAGS = frozenset(
@@ -411,7 +411,7 @@ def _packages() -> dict[str, str] | None:
         dists = list(importlib.metadata.distributions())
     except Exception:
         return None
-    wanted = _COMPUTE_PACKAGES | _TOOLING_PACKAGES
+    wanted = _COMPUTE_PACKAGES | TOOLING_PACKAGES
     out: dict[str, str] = {}
     for dist in dists:
         try:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchrepro._jsonread import parse_json
-from torchrepro.env.collect import _TOOLING_PACKAGES
+from torchrepro.env.collect import TOOLING_PACKAGES
 from torchrepro.env.model import EnvDifference, Environment
 from torchrepro.errors import EnvFileError
 from torchrepro.protocol import ENV_PREFIX, LOCATION_VARIABLES
@@ -122,7 +122,7 @@ _RULES: tuple[tuple[str, bool, str], ...] = (
         "where torchrepro writes its records",
     ),
     (
-        r"packages\.(" + "|".join(re.escape(p) for p in sorted(_TOOLING_PACKAGES)) + r")$",
+        r"packages\.(" + "|".join(re.escape(p) for p in sorted(TOOLING_PACKAGES)) + r")$",
         False,
         "logging, configuration or progress tooling; it does not compute training values",
     ),

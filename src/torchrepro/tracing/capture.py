@@ -28,7 +28,7 @@ import torch
 from torchrepro._io import atomic_write_json
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
 from torchrepro.tracing.compare import draws_randomness
-from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES
+from torchrepro.tracing.ops import COLLECTIVE_NAMESPACES
 
 _Copies = dict[tuple[int, int, str], torch.UntypedStorage]
 """Storages copied so far, by (address, size, device): arguments sharing one share the copy."""
@@ -64,7 +64,7 @@ class Snapshot:
 
 def snapshot_call(op: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
     """Copy the inputs of ``func(*args, **kwargs)`` (before it runs); raises ``Refused``."""
-    if op.startswith(_COLLECTIVE_NAMESPACES):
+    if op.startswith(COLLECTIVE_NAMESPACES):
         raise Refused(f"{op} is a collective: its result depends on the other ranks")
     if draws_randomness(op) or any("Generator" in str(arg.type) for arg in func._schema.arguments):
         raise Refused(f"{op} draws from a random number generator: the difference is the RNG state")

@@ -18,10 +18,10 @@ from typing import Final
 
 from torchrepro.errors import TraceError
 from torchrepro.tracing.ops import (
-    _COLLECTIVE_NAMESPACES,
-    _FORMAT,
-    _FORMAT_VERSION,
-    _LEGACY_DIGEST,
+    COLLECTIVE_NAMESPACES,
+    FORMAT,
+    FORMAT_VERSION,
+    LEGACY_DIGEST,
     OpDivergence,
 )
 
@@ -70,7 +70,7 @@ class _Trace:
     digest: str  # the algorithm of its value digests
 
 
-def _load_trace(path: str | os.PathLike[str]) -> _Trace:
+def load_trace(path: str | os.PathLike[str]) -> _Trace:
     where = os.fspath(path)
     try:
         with open(where, encoding="utf-8") as f:
@@ -81,12 +81,12 @@ def _load_trace(path: str | os.PathLike[str]) -> _Trace:
         ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceError(f"Op trace {where} is unreadable: {exc}.") from None
-    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
-        raise TraceError(f"{where} is not a torchrepro op trace (expected format {_FORMAT!r}).")
-    if doc.get("version") != _FORMAT_VERSION:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise TraceError(f"{where} is not a torchrepro op trace (expected format {FORMAT!r}).")
+    if doc.get("version") != FORMAT_VERSION:
         raise TraceError(
             f"Op trace {where} has format version {doc.get('version')!r}; this torchrepro reads version "
-            f"{_FORMAT_VERSION}. Record both traces with the same torchrepro version."
+            f"{FORMAT_VERSION}. Record both traces with the same torchrepro version."
         )
     try:
         ops, sites, values = doc["ops"], doc["sites"], doc["values"]
@@ -104,7 +104,7 @@ def _load_trace(path: str | os.PathLike[str]) -> _Trace:
             for index, (op, site, backward, ins, outs, *rest) in enumerate(doc["records"])
         )
         rank = doc.get("rank")
-        digest = str(doc.get("digest", _LEGACY_DIGEST))
+        digest = str(doc.get("digest", LEGACY_DIGEST))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise TraceError(f"Op trace {where} is malformed ({type(exc).__name__}: {exc}).") from None
     return _Trace(where, rank if isinstance(rank, int) else None, records, digest)
@@ -131,7 +131,7 @@ def compare_traces(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> OpDi
     Raises ``TraceError`` for a missing or malformed file, and for two traces whose values were
     digested with different algorithms (written by torchrepro versions that hash differently).
     """
-    ta, tb = _load_trace(a), _load_trace(b)
+    ta, tb = load_trace(a), load_trace(b)
     if ta.digest != tb.digest:
         raise TraceError(
             f"Op traces {ta.path} and {tb.path} cannot be compared: their values were digested with "
@@ -209,7 +209,7 @@ def _divergence(ra: _Record, rb: _Record, rank: int | None) -> OpDivergence:
             "outside the traced ops (Python data such as a process id or the time, a tensor built from "
             "it, or a write the tracer did not see)."
         )
-    if ra.op.startswith(_COLLECTIVE_NAMESPACES):
+    if ra.op.startswith(COLLECTIVE_NAMESPACES):
         note += (
             " This is a collective: its result also depends on the other ranks, so the source is "
             "likely on another rank; compare their traces."

@@ -26,11 +26,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 from torchrepro.errors import TraceError
-from torchrepro.tracing.sites import _Sites
+from torchrepro.tracing.sites import Sites
 
 _COMPILE_HOOKS_WARNING: Final = r"Using `torch.compile\(module\)` when there are global hooks"
 # Ops that are bookkeeping, not computation (the profiler's record_function markers).
-_IGNORED_NAMESPACES: Final = ("profiler.",)
+IGNORED_NAMESPACES: Final = ("profiler.",)
 
 # Cache shared by every recorder (op overloads are immortal in practice).
 _OP_NAMES: dict[Any, str] = {}
@@ -50,7 +50,7 @@ class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     replaced by a dynamo-disabled one, so dynamo never compiles the recorder's own frames.
     """
 
-    def __init__(self, owner: _Observer) -> None:
+    def __init__(self, owner: Observer) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._owner = owner
 
@@ -96,11 +96,11 @@ def _hide_from_dynamo() -> None:
     _hidden_from_dynamo = True
 
 
-_ObserverT = TypeVar("_ObserverT", bound="_Observer")
+_ObserverT = TypeVar("_ObserverT", bound="Observer")
 
 # Started observers; a forked child (a DataLoader worker inherits the mode) marks them, so that
 # they pass its ops through without asking the kernel for the process id on every op.
-_STARTED: weakref.WeakSet[_Observer] = weakref.WeakSet()
+_STARTED: weakref.WeakSet[Observer] = weakref.WeakSet()
 
 
 def _mark_forked() -> None:
@@ -112,13 +112,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked)
 
 
-class _Observer:
+class Observer:
     """Shared start/stop of the dispatch mode and the module hooks."""
 
     _what = "recorder"
 
     def __init__(self) -> None:
-        self._sites = _Sites()
+        self._sites = Sites()
         self._mode: _Mode | None = None
         self._names = _OP_NAMES
         self._lock = threading.Lock()  # ops can arrive from other threads (collective callbacks)
@@ -144,7 +144,7 @@ class _Observer:
     def _start(self) -> None:
         if self._mode is not None:
             raise TraceError(f"This {self._what} is already started; call stop() before starting it again.")
-        self._sites = _Sites()
+        self._sites = Sites()
         self._sites.install()
         self._thread = threading.get_ident()
         self._forked = False

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torchrepro.hashing import fingerprinting
-from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
+from torchrepro.tracing.dispatch import IGNORED_NAMESPACES, Observer
 from torchrepro.tracing.ops import MAX_FACTS, OpEvent
 
 Facts = Callable[[str, tuple[Any, ...], dict[str, Any], Any], "str | None"]
@@ -29,7 +29,7 @@ Facts = Callable[[str, tuple[Any, ...], dict[str, Any], Any], "str | None"]
 # --------------------------------------------------------------------------------------------
 
 
-class OpRecorder(_Observer):
+class OpRecorder(Observer):
     """Record every aten op of forward and backward with its module, source line and direction.
 
     ``start()`` begins recording on this thread; ``stop()`` ends it and returns one
@@ -76,7 +76,7 @@ class OpRecorder(_Observer):
 
     def _dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         name = self._op_name(func)
-        if name.startswith(_IGNORED_NAMESPACES) or fingerprinting() or self._forked:
+        if name.startswith(IGNORED_NAMESPACES) or fingerprinting() or self._forked:
             return func(*args, **kwargs)
         sites = self._sites
         with self._lock:

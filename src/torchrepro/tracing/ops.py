@@ -5,9 +5,9 @@ Invariants:
   internals.
 - Both classes are frozen dataclasses; ``OpEvent.from_dict`` reads back what ``to_dict`` writes and
   raises ``TraceError`` naming a bad field.
-- ``_FORMAT`` and ``_FORMAT_VERSION`` are the trace file's identity; the writer (``tracer``) and the
+- ``FORMAT`` and ``FORMAT_VERSION`` are the trace file's identity; the writer (``tracer``) and the
   reader (``compare``) take them from here only. The header also names the digest algorithm
-  (``digest``); a trace without it was hashed with ``_LEGACY_DIGEST``.
+  (``digest``); a trace without it was hashed with ``LEGACY_DIGEST``.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any, Final
 
 from torchrepro.errors import TraceError
 
-_FORMAT: Final = "torchrepro.trace"
-_FORMAT_VERSION: Final = 1
-_LEGACY_DIGEST: Final = "sha1"
+FORMAT: Final = "torchrepro.trace"
+FORMAT_VERSION: Final = 1
+LEGACY_DIGEST: Final = "sha1"
 """The digest algorithm of traces written before the header named one."""
 
 MAX_FACTS: Final = 3
 """The most facts an ``OpEvent`` keeps (the first distinct ones)."""
 
-_COLLECTIVE_NAMESPACES: Final = ("c10d.", "_c10d_functional.", "c10d_functional.")
+COLLECTIVE_NAMESPACES: Final = ("c10d.", "_c10d_functional.", "c10d_functional.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ from typing import Any, Final
 from torchrepro import runrecord
 from torchrepro.errors import EnvFileError, SettingsError
 from torchrepro.results import Repro
-from torchrepro.tracing.compare import _load_trace, compare_traces, draws_randomness
-from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES, OpDivergence
+from torchrepro.tracing.compare import compare_traces, draws_randomness, load_trace
+from torchrepro.tracing.ops import COLLECTIVE_NAMESPACES, OpDivergence
 
 __all__ = [
     "INPUTS_FILE",
@@ -123,7 +123,7 @@ def target(
             f"{d.op} draws from a random number generator: the runs differ in the RNG's state, not in "
             "the op, so a standalone call shows nothing; seed the RNG before that line"
         )
-    if d.op.startswith(_COLLECTIVE_NAMESPACES):
+    if d.op.startswith(COLLECTIVE_NAMESPACES):
         return f"{d.op} is a collective: its result depends on the other ranks, not on its inputs"
     if not _OP_NAME.fullmatch(d.op):
         return f"{d.op} is not an aten overload a script can call"
@@ -149,7 +149,7 @@ def write_repro(
         return "the re-run that saves the op's inputs did not save them (it took another path)"
     if call.get("refused"):
         return str(call["refused"])
-    located = _load_trace(runrecord.trace_path(chosen.traces / "trace-a", chosen.rank)).records[
+    located = load_trace(runrecord.trace_path(chosen.traces / "trace-a", chosen.rank)).records[
         chosen.op.index
     ]
     if (call.get("index"), call.get("op"), tuple(call.get("inputs", ()))) != (

@@ -64,7 +64,7 @@ _WRAPPER_PREFIXES: Final[Mapping[str, str]] = {
 }
 
 
-class _Sites:
+class Sites:
     """Where an op comes from: the module stack (global forward hooks) and the user's frame."""
 
     def __init__(self) -> None:

@@ -41,8 +41,8 @@ from torchrepro._runtime import group_rank
 from torchrepro.errors import TraceError
 from torchrepro.hashing import EXACT_DIGEST, bytes_digest, fingerprinting
 from torchrepro.hashing import exact_digest as _digest
-from torchrepro.tracing.dispatch import _IGNORED_NAMESPACES, _Observer
-from torchrepro.tracing.ops import _COLLECTIVE_NAMESPACES, _FORMAT, _FORMAT_VERSION
+from torchrepro.tracing.dispatch import IGNORED_NAMESPACES, Observer
+from torchrepro.tracing.ops import COLLECTIVE_NAMESPACES, FORMAT, FORMAT_VERSION
 
 if TYPE_CHECKING:
     from torchrepro.tracing.capture import CaptureRequest
@@ -186,7 +186,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-class Tracer(_Observer):
+class Tracer(Observer):
     """Record every aten op (forward and backward) with digests of its inputs and outputs.
 
     ``start()`` begins tracing on this thread; ``stop()`` ends it and writes the trace to ``path``
@@ -255,8 +255,8 @@ class Tracer(_Observer):
     def _write(self) -> None:
         rank = group_rank()
         doc = {
-            "format": _FORMAT,
-            "version": _FORMAT_VERSION,
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
             "torch": torch.__version__,
             "digest": EXACT_DIGEST,
             "rank": rank,
@@ -367,8 +367,8 @@ class Tracer(_Observer):
                 name=name,
                 info=info,
                 index=_intern(self._op_index, name),
-                skip=name.startswith(_IGNORED_NAMESPACES),
-                collective=name.startswith(_COLLECTIVE_NAMESPACES),
+                skip=name.startswith(IGNORED_NAMESPACES),
+                collective=name.startswith(COLLECTIVE_NAMESPACES),
                 point_to_point=func._schema.name in _POINT_TO_POINT,
             )
         return op
