@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrepro import runrecord
@@ -62,6 +62,7 @@ def test_vary_hashseed_derives_one_per_run_from_the_seed() -> None:
     assert all(s.replace(hash_seed=None) == BASE for s in specs)
 
 
+@settings(deadline=None)
 @given(st.integers(0, 2**64 - 1), st.integers(0, 50))
 def test_vary_hashseed_is_a_valid_hash_seed(seed: int, index: int) -> None:
     spec = _run_spec(ChildSpec(seed=seed), "hashseed", index, seed=seed)

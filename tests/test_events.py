@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrepro.compare import compare_runs
@@ -31,6 +31,7 @@ from torchrepro.runrecord import events_path
 # --- keys ----------------------------------------------------------------------------------------
 
 
+@settings(deadline=None)
 @given(st.integers(0, 10**6))
 def test_optimizer_index_of_an_optimizer_key(n: int) -> None:
     assert optimizer_index(optimizer_key(n)) == n == optimizer_index(f"optimizer{n}")

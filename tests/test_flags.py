@@ -26,7 +26,11 @@ B = torch.backends
 
 @pytest.fixture
 def saved(monkeypatch: pytest.MonkeyPatch) -> Iterator[DeterminismFlags]:
-    """Start with CUBLAS_WORKSPACE_CONFIG unset; put every switch back afterwards."""
+    """Start with CUBLAS_WORKSPACE_CONFIG unset in a process where CUDA has not started; put every
+    switch back afterwards. (On a machine with a GPU an earlier test in this process may have
+    started CUDA, and strict mode then refuses to run without the variable: torchrepro's own check
+    is pinned to "not started", as test_cuda_started_without_cublas_var pins it to "started".)"""
+    monkeypatch.setattr(_runtime, "cuda_started", lambda: False)
     monkeypatch.delenv(CUBLAS_VAR, raising=False)
     monkeypatch.delenv(FLASH_ATTENTION_VAR, raising=False)
     monkeypatch.setattr(errors_module, "_warned", set())  # let warn_once warn again in this test
@@ -339,11 +343,12 @@ def test_status_process_start_settings(saved: DeterminismFlags, monkeypatch: pyt
 
 
 def test_status_changes_nothing(saved: DeterminismFlags) -> None:
+    cuda = torch.cuda.is_initialized()  # True where an earlier test started it (a GPU machine)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         status()
     assert DeterminismFlags.capture() == saved
-    assert not torch.cuda.is_initialized()
+    assert torch.cuda.is_initialized() is cuda
 
 
 def test_strict_mode_does_not_import_inductor_but_inductor_still_compiles_deterministically() -> None:

@@ -177,6 +177,9 @@ def test_relaunch_sets_the_cublas_value_flags_decides(
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # nothing else is missing: no re-exec
     monkeypatch.delenv(CUBLAS_VAR, raising=False)
     monkeypatch.setitem(_runtime._BOOTSTRAP, "configured", False)
+    # CUDA not started, so the variable is set in place: on a machine with a GPU an earlier test
+    # in this process may have started it, and relaunch would re-execute pytest itself
+    monkeypatch.setattr(launch, "cuda_started", lambda: False)
     saved = flags.DeterminismFlags.capture()
     try:
         launch.relaunch(seed=1, mode=mode)

@@ -8,7 +8,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import tomllib
+# tomllib is in the standard library from Python 3.11; the package supports 3.10, where
+# ``import tomllib`` failed the collection of the whole suite. There pytest itself depends on tomli,
+# the same parser under its old name.
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -341,6 +341,7 @@ def test_spec_is_frozen() -> None:
         ChildSpec().seed = 1  # type: ignore[misc]
 
 
+@settings(deadline=None)
 @given(st.integers(0, 2**64 - 1), st.lists(st.integers(0, 100) | st.text(max_size=4), max_size=3))
 def test_python_hash_seed_is_pure_and_in_range(seed: int, keys: list[int | str]) -> None:
     h = python_hash_seed(seed, *keys)

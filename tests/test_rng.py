@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import random
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 import torchrepro
+from helpers import user_env
 from torchrepro import RngState, RngStateError, fork_rng
 from torchrepro.rng import RNG_STATE_VERSION
 
@@ -107,10 +110,13 @@ def test_capture_copies_state() -> None:
 
 
 def test_capture_does_not_initialise_cuda() -> None:
-    RngState.capture()
-    with fork_rng(1):
-        torch.rand(1)
-    assert not torch.cuda.is_initialized()
+    # in a fresh process: in this one, on a machine with a GPU, an earlier test may have started CUDA
+    code = (
+        "import torch\nfrom torchrepro import RngState, fork_rng\nRngState.capture()\n"
+        "with fork_rng(1):\n    torch.rand(1)\nprint(torch.cuda.is_initialized())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=user_env(), capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False"], proc.stdout + proc.stderr
 
 
 def test_fork_rng_isolates_every_stream() -> None:

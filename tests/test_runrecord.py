@@ -59,6 +59,7 @@ run_settings = st.builds(RunSettings, **{f.name: _field_strategy(f) for f in dat
 # --- RunSettings ----------------------------------------------------------------------------------
 
 
+@settings(deadline=None)
 @given(run_settings)
 def test_settings_round_trip_through_json(s: RunSettings) -> None:
     assert RunSettings.from_dict(json.loads(json.dumps(s.to_dict()))) == s

@@ -17,6 +17,7 @@ seeds = st.integers(min_value=0, max_value=2**64 - 1)
 keys = st.lists(st.one_of(st.integers(), st.text(max_size=8)), max_size=4).map(tuple)
 
 
+@settings(deadline=None)
 @given(seeds, keys)
 def test_derive_seed_is_pure_and_64_bit(seed: int, k: tuple[int | str, ...]) -> None:
     a = derive_seed(seed, *k)
@@ -24,7 +25,7 @@ def test_derive_seed_is_pure_and_64_bit(seed: int, k: tuple[int | str, ...]) -> 
     assert 0 <= a < 2**64
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(seeds, keys, keys)
 def test_distinct_key_tuples_give_distinct_seeds(seed: int, k1: tuple, k2: tuple) -> None:
     if k1 == k2 and [type(x) for x in k1] == [type(x) for x in k2]:
@@ -125,7 +126,7 @@ def test_seed_none_draws_fresh_seed_and_returns_it(rng_changes_ok: None) -> None
     assert _draws() == x
 
 
-@settings(max_examples=50)
+@settings(max_examples=50, deadline=None)
 @given(
     st.integers(0, 2**64 - 1),
     st.integers(0, 10**6),

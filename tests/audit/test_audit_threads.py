@@ -212,6 +212,10 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_each_entry_differs_between_one_and_two_threads_in_portable_mode_and_its_fix_does_not() -> None:
+    """TR601-TR603 are ATen's own kernels (one partial sum per thread of torch's pool): they differ
+    on any CPU. TR604 is oneMKL's dot product, which torch calls only where oneMKL is its BLAS (x86
+    builds); elsewhere (OpenBLAS on ARM) whether a dot splits by thread is that library's choice,
+    so TR604 is expected to differ only with oneMKL. Every fix must give equal bits everywhere."""
     env = user_env(**start_values({}))
     runs = [
         subprocess.run(
@@ -225,4 +229,8 @@ def test_each_entry_differs_between_one_and_two_threads_in_portable_mode_and_its
         for n in (1, 2)
     ]
     one, two = (json.loads(r.stdout) for r in runs)
-    assert {k for k in one if one[k] != two[k]} == {e.code for e in ENTRIES}
+    differ = {k for k in one if one[k] != two[k]}
+    expected = {e.code for e in ENTRIES}
+    if not torch.backends.mkl.is_available():
+        expected -= {"TR604"} - differ  # another BLAS's dot: it may split by thread or not
+    assert differ == expected

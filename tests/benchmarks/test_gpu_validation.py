@@ -23,11 +23,11 @@ from gpu_checks.common import ChildResult, Row
 SCRIPT = ROOT / "benchmarks" / "gpu_validation.py"
 
 
-def _script(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _script(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
         cwd=cwd,
-        env=user_env(),
+        env=user_env(**env),
         capture_output=True,
         text=True,
         timeout=600,
@@ -100,6 +100,8 @@ def test_a_recorded_result_prints_again_with_its_verdict(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_the_harness_runs_every_timing_and_process_section_on_the_cpu(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
+    # the CPU self-test on any machine: with a GPU visible, the "tests" section's pytest would run
+    # the requires_cuda tests for real (pass or fail rows) instead of skipping them
     proc = _script(
         "--device",
         "cpu",
@@ -109,6 +111,7 @@ def test_the_harness_runs_every_timing_and_process_section_on_the_cpu(tmp_path: 
         "--json",
         str(out),
         cwd=tmp_path,
+        CUDA_VISIBLE_DEVICES="",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -19,9 +19,6 @@ import torchrepro
 from torchrepro import DataLoaderStateError, ReproError, SeededLoader
 from torchrepro.data import LoaderConfigError, UnsupportedDatasetError
 
-many_workers = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-
 no_accelerator = pytest.mark.filterwarnings("ignore:'pin_memory' argument is set as true:UserWarning")
 
 # -- datasets (module level: spawn workers import them) --------------------------------------------
@@ -68,13 +65,12 @@ def reference() -> list[torch.Tensor]:
 LOADING_CONFIGS = [
     pytest.param({"num_workers": 1}, id="workers1"),
     pytest.param({"num_workers": 2}, id="workers2"),
-    pytest.param({"num_workers": 3}, id="workers3", marks=many_workers),
+    pytest.param({"num_workers": 3}, id="workers3"),
     pytest.param({"num_workers": 2, "persistent_workers": True}, id="persistent"),
     pytest.param({"num_workers": 2, "prefetch_factor": 1}, id="prefetch1"),
     pytest.param(
         {"num_workers": 3, "prefetch_factor": 4, "persistent_workers": True},
         id="workers3-prefetch4-persistent",
-        marks=many_workers,
     ),
     pytest.param({"num_workers": 2, "pin_memory": True}, id="pin_memory", marks=no_accelerator),
     pytest.param({"num_workers": 2, "multiprocessing_context": "fork"}, id="fork"),

@@ -5,6 +5,9 @@ working directory, a library's saver (an output directory named after the curren
 temporary file renamed over the last checkpoint), an output directory given on the command line.
 Run side by side in one directory they tear or refuse each other's files; each check's run must
 see the directory as the check found it plus its own writes, and a user's file must stay as it was.
+
+The isolation is an overlay the kernel must allow (root, or a user namespace): where it refuses
+one (``helpers.isolation_here``), the tests of what the overlay does skip with the kernel's reason.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import check_json, torchrepro
+from helpers import check_json, needs_isolation, torchrepro
 
 SCRIPTS = Path(__file__).parent / "isolation_scripts"
 
@@ -34,6 +37,7 @@ def _check_dir(cwd: Path, err: str) -> Path:
 def test_checks_of_a_script_saving_and_reloading_in_its_directory_never_fail_nor_touch_its_file(
     tmp_path: Path,
 ) -> None:
+    needs_isolation()
     users = os.urandom(64)  # the user's own model.pt, from an earlier real run
     (tmp_path / "model.pt").write_bytes(users)
     for i in range(CHECKS):
@@ -50,6 +54,7 @@ def test_checks_of_a_script_saving_and_reloading_in_its_directory_never_fail_nor
 
 
 def test_a_library_checkpoint_saver_runs_side_by_side(tmp_path: Path) -> None:
+    needs_isolation()
     code, verdict, err = check_json(tmp_path, "--runs", "3", str(SCRIPTS / "library_saver.py"))
     assert (code, verdict["reproducible"]) == (0, True), err
     assert not (tmp_path / "output").exists()
@@ -65,6 +70,8 @@ def test_a_library_checkpoint_saver_runs_side_by_side(tmp_path: Path) -> None:
 def test_paths_both_runs_write_are_named_with_the_way_out_not_as_a_script_failure(
     tmp_path: Path, isolate: bool
 ) -> None:
+    if isolate:
+        needs_isolation()  # without the overlay an absolute path outside is no different
     cwd = tmp_path / "work"
     cwd.mkdir()
     # isolated: an absolute path outside the working directory; --no-isolate: a relative one

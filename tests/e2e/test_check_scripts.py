@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import check_json as check
-from helpers import user_env
+from helpers import isolation_here, user_env
 from torchrepro.protocol import python_hash_seed
 from torchrepro.verdict import FINAL_NOT_LOCATED
 
@@ -45,16 +45,23 @@ def test_unseeded_script_is_reproducible_under_check_and_not_without_seeding(tmp
             "per_rank": {"0": {"compute": 4, "data": 4, "final": 1, "init": 1}},
             "uncovered_ranks": [],
         },
-        "notes": [],
+        "notes": verdict["notes"],  # below: a note where the machine refuses isolation, else none
         "repro": None,
-        "isolation": {
-            "mode": "overlay",
-            "root": os.path.realpath(tmp_path),
-            "user_namespace": os.geteuid() != 0,  # root needs no user namespace
-            "reason": None,
-        },
+        "isolation": verdict["isolation"],  # below: what this machine allows
         "shared_writes": [],
     }
+    # how the runs were kept apart depends on the kernel: an overlay (in a user namespace unless
+    # root), or none, with the reason, where the kernel refuses one (and a note saying so)
+    here = isolation_here()
+    isolation = verdict["isolation"]
+    assert (isolation["mode"], isolation["root"]) == (here["mode"], os.path.realpath(tmp_path)), isolation
+    if here["mode"] == "overlay":
+        assert (isolation["user_namespace"], isolation["reason"]) == (here["user_namespace"], None)
+        assert verdict["notes"] == []
+    else:
+        assert isolation["reason"] and isolation["user_namespace"] is False, isolation
+        shared = f"the runs shared {isolation['root']}: {isolation['reason']}"
+        assert verdict["notes"] == [f"the runs were not isolated: {shared}"]
 
     code, verdict, err = check(tmp_path, "--no-seed", script("unseeded.py"))
     assert (code, verdict["reproducible"]) == (1, False), err

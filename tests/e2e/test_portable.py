@@ -1,6 +1,7 @@
 """Portable mode end to end: a CNN's bits are the same at 1 and 2 threads with ``--portable``, and
-differ without it (the negative control, measured on this machine); where the script still depends
-on the thread count the check names the op; records and ``compare`` say portability was on.
+differ without it where the CPU's kernels split the CNN's work by thread (the negative control,
+measured on each machine); where the script still depends on the thread count the check names the
+op; records and ``compare`` say portability was on.
 """
 
 from __future__ import annotations
@@ -27,11 +28,22 @@ def test_a_cnn_is_the_same_at_one_and_two_threads_with_portable_and_differs_with
     assert (code, verdict["reproducible"], verdict["varied"]) == (0, True, "1 vs 2 threads"), err
     assert verdict["portable"] == PORTABLE
     assert verdict["steps_compared"] == 3 and verdict["coverage"]["per_kind"]["final"] == 1
-    # negative control: plain PyTorch, same script and seed, differs between 1 and 2 threads
+    # negative control: plain PyTorch, same script and seed, at 1 and 2 threads. Whether it differs
+    # is the CPU's: oneMKL's GEMMs and oneDNN's convolution backward split their sums by thread for
+    # some shapes on some CPUs only (on the AMD EPYC this was written on, only the Linear's weight
+    # gradient does; with MKL_CBWR=AVX, another of oneMKL's code paths, nothing does). Where
+    # nothing differs, the equal bits above show nothing and the test says so.
     code, verdict, err = check(tmp_path, "--vary", "threads", CNN)
-    assert (code, verdict["reproducible"], verdict["portable"]) == (1, False, None), err
+    assert code in (0, 1) and verdict["portable"] is None, err
+    if verdict["reproducible"]:
+        pytest.skip(
+            "no negative control on this CPU: plain PyTorch already gives the CNN the same bits at 1 "
+            "and 2 threads (its oneMKL and oneDNN kernels split none of this CNN's sums by thread)"
+        )
+    assert (code, verdict["reproducible"]) == (1, False), err
     d = verdict["first_divergence"]
     assert (d["kind"], d["step"]) == ("compute", 0)
+    # an op whose thread dependence --portable removes (else the portable run could not pass)
     assert d["op"].startswith(("aten.mm", "aten.addmm", "aten.convolution_backward")), d
     assert any(n.endswith("try the check again with --portable") for n in verdict["notes"]), verdict["notes"]
 

@@ -8,6 +8,7 @@ The control shows the search finds what plain python leaves behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,8 +39,29 @@ for epoch in range(100):
 
 
 def _alive(marker: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", marker], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+    """``<pid> <command line>`` of every live process whose command line holds ``marker`` (what
+    ``pgrep -af`` prints, read from /proc: procps is not installed on every machine)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(f"{entry} {cmdline.strip()}")
+    return found
+
+
+def _kill_all(marker: str) -> None:
+    """SIGKILL every process :func:`_alive` finds (the test's own, by its unique marker)."""
+    for line in _alive(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
 
 
 def _wait_gone(marker: str, seconds: float = 15.0) -> list[str]:  # a loaded 2-core CI machine is slow
@@ -114,7 +136,7 @@ def test_nothing_outlives_a_signalled_check(tmp_path: Path, phase: str, sig: int
             assert proc.returncode == 128 + signal.SIGTERM
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-        subprocess.run(["pkill", "-KILL", "-f", marker])
+        _kill_all(marker)
 
 
 @pytest.mark.slow
@@ -135,7 +157,7 @@ def test_nothing_outlives_a_signalled_run(tmp_path: Path, sig: int) -> None:
             assert proc.returncode == 128 + sig
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-        subprocess.run(["pkill", "-KILL", "-f", marker])
+        _kill_all(marker)
 
 
 def test_control_plain_python_leaves_its_child_behind(tmp_path: Path) -> None:
@@ -151,7 +173,7 @@ def test_control_plain_python_leaves_its_child_behind(tmp_path: Path) -> None:
         time.sleep(1.0)
         assert any("time.sleep(300)" in line for line in _alive(marker))
     finally:
-        subprocess.run(["pkill", "-KILL", "-f", marker])
+        _kill_all(marker)
 
 
 @pytest.mark.slow
@@ -185,4 +207,4 @@ def test_ctrl_c_on_nproc_2_prints_a_few_lines_and_leaves_nothing(tmp_path: Path)
         assert _wait_gone(marker) == []
     finally:
         os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
-        subprocess.run(["pkill", "-KILL", "-f", marker])
+        _kill_all(marker)

@@ -14,6 +14,7 @@ import torch
 
 import torchrepro
 from torchrepro import Environment, collect_env, diff_env
+from torchrepro.env import collect as collect_module
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,11 @@ def test_collects_the_values_torch_reports(env: Environment) -> None:
     assert env.env_vars is not None
     for name in ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY"):
         assert name in env.env_vars
-    assert env.cuda_initialized is False and not torch.cuda.is_initialized()  # never started by collect
+    # CUDA as this process has it (an earlier test may have started it on a GPU machine), and
+    # collecting never starts it
+    started = torch.cuda.is_initialized()
+    assert env.cuda_initialized is started
+    assert collect_env().cuda_initialized is started and torch.cuda.is_initialized() is started
 
 
 def test_environment_variables_are_read_and_secrets_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,6 +129,9 @@ def test_gpus_from_nvidia_smi_respect_cuda_visible_devices(
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    # nvidia-smi is asked while CUDA has not started (after, torch names the devices): on a machine
+    # with a GPU an earlier test in this process may have started it
+    monkeypatch.setattr(collect_module, "cuda_started", lambda: False)
     both = collect_env()
     assert both.gpu_driver == "550.54.15"
     assert both.gpus == [

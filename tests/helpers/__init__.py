@@ -1,5 +1,5 @@
 """What many tests need, written once: this checkout's paths, a user's environment, the command
-line in a subprocess, a free port.
+line in a subprocess, a free port, whether this machine lets a check isolate its runs.
 
 ``tests/`` is on ``sys.path`` (pytest's ``pythonpath``), so every test imports ``helpers``. The
 scripts the tests start are plain python files and do not import it.
@@ -7,11 +7,13 @@ scripts the tests start are plain python files and do not import it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,10 @@ __all__ = [
     "SRC",
     "check_json",
     "free_port",
+    "isolation_here",
     "line_of",
     "marked_line",
+    "needs_isolation",
     "relative",
     "torchrepro",
     "user_env",
@@ -73,6 +77,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@functools.cache
+def isolation_here() -> dict[str, Any]:
+    """How ``torchrepro check`` isolates its runs on this machine, probed once as the check probes
+    it (``check._isolation``: layers outside the working directory, then the supervisor entering a
+    throwaway overlay): ``{"mode": "overlay", "user_namespace": bool}`` (a user namespace: not
+    root), or ``{"mode": "none", "reason": why}`` where the kernel refuses the overlay (a user
+    namespace forbidden to unprivileged users, a container without the mount capability).
+
+    The verdict's ``isolation`` depends on the machine: tests that need the overlay skip with the
+    reason where it is refused, and the others expect what this says.
+    """
+    from torchrepro.isolation import Layers, probe
+
+    with tempfile.TemporaryDirectory(prefix="torchrepro-isolation-probe-") as scratch:
+        root = os.path.realpath(Path(scratch) / "cwd")
+        check_dir = Path(root) / ".torchrepro" / "checks" / "probe"
+        check_dir.mkdir(parents=True)
+        layers = Layers.create(check_dir, root)
+        if layers is None:
+            return {"mode": "none", "reason": "no writable directory outside the working directory"}
+        try:
+            user_namespace, refused = probe(layers)
+        finally:
+            layers.close()
+    if refused is not None:
+        return {"mode": "none", "reason": f"the kernel refused an overlay ({refused})"}
+    return {"mode": "overlay", "user_namespace": user_namespace}
+
+
+def needs_isolation() -> None:
+    """Skip the calling test, with the reason, where the kernel refuses a check's overlay."""
+    import pytest
+
+    found = isolation_here()
+    if found["mode"] != "overlay":
+        pytest.skip(f"needs a check's write isolation, which this machine refuses: {found['reason']}")
 
 
 def marked_line(path: Path, marker: str) -> int:

@@ -34,6 +34,7 @@ import torch
 
 import torchrepro
 from helpers import free_port, user_env
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR
 
 SCRIPTS = Path(__file__).resolve().parent / "lightning_scripts"
 TRAIN = SCRIPTS / "train.py"
@@ -578,7 +579,12 @@ def _fit_warnings(tmp_path: Path, loaders: Any) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, torchrepro.ReproWarning)]
 
 
-def test_a_plain_train_dataloader_is_named_once_at_fit_start(tmp_path: Path, rng_changes_ok: None) -> None:
+def test_a_plain_train_dataloader_is_named_once_at_fit_start(
+    tmp_path: Path, rng_changes_ok: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # strict mode refuses to start without CUBLAS_WORKSPACE_CONFIG once CUDA has started, which on a
+    # machine with a GPU an earlier test in this process may have done: set as a GPU user sets it
+    monkeypatch.setenv(CUBLAS_VAR, CUBLAS_CONFIGS[0])
     from torch.utils.data import DataLoader, TensorDataset
 
     data = TensorDataset(torch.randn(8, 2))
@@ -597,10 +603,13 @@ def test_a_plain_train_dataloader_is_named_once_at_fit_start(tmp_path: Path, rng
 
 
 def test_a_streamed_train_loaders_checkpoint_holds_the_loops_position(
-    tmp_path: Path, rng_changes_ok: None
+    tmp_path: Path, rng_changes_ok: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In process: Lightning fetches a batch ahead of the loop for a loader without len(); the
     position saved is the loop's. A plain DataLoader over the same shards is named."""
+    # strict mode refuses to start without CUBLAS_WORKSPACE_CONFIG once CUDA has started, which on a
+    # machine with a GPU an earlier test in this process may have done: set as a GPU user sets it
+    monkeypatch.setenv(CUBLAS_VAR, CUBLAS_CONFIGS[0])
     import warnings
 
     import lightning.pytorch as pl

@@ -25,6 +25,7 @@ import torch
 
 import torchrepro
 from helpers import user_env
+from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -332,6 +333,9 @@ def _train_warnings(
 
     flags, env, warned = DeterminismFlags.capture(), dict(os.environ), set(errors._warned)
     errors._warned.clear()
+    # strict mode refuses to start without CUBLAS_WORKSPACE_CONFIG once CUDA has started, which on a
+    # machine with a GPU an earlier test in this process may have done: set as a GPU user sets it
+    os.environ.setdefault(CUBLAS_VAR, CUBLAS_CONFIGS[0])  # put back with the rest below
     try:
         if mode is not None:
             torchrepro.set_determinism(mode)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrepro.check import CheckResult
@@ -21,6 +21,7 @@ def test_report_names_are_readable_and_safe() -> None:
     assert len(report_name("t::" + "x" * 500)) <= 131
 
 
+@settings(deadline=None)
 @given(st.text(min_size=1, max_size=300), st.text(min_size=1, max_size=300))
 def test_different_test_ids_never_share_a_report(a: str, b: str) -> None:
     names = report_name(a), report_name(b)

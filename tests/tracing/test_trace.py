@@ -280,7 +280,13 @@ def test_a_branch_on_python_state_is_a_structural_divergence(tmp_path: Path) -> 
 
 
 def test_uninitialised_memory_is_never_compared_as_data(tmp_path: Path) -> None:
-    """Negative control: the raw contents ``torch.empty`` returns differ from run to run."""
+    """Negative control: the raw contents ``torch.empty`` returns differ from run to run.
+
+    What ``empty()`` returns is the allocator's business: glibc's malloc hands back the bytes the
+    freed ``junk`` left, but an allocator that fills memory itself (``MALLOC_PERTURB_``, a
+    debugging allocator) returns the same bytes every time. There the comparison cannot fail,
+    and the test says so (a skip) instead of failing a control that measured the allocator.
+    """
     from torchrepro.hashing import fingerprint
 
     raw = []
@@ -300,12 +306,16 @@ def test_uninitialised_memory_is_never_compared_as_data(tmp_path: Path) -> None:
         return path
 
     a, b = run(tmp_path / "a.json", 1.5), run(tmp_path / "b.json", -7.25)
-    assert raw[0] != raw[1], "negative control: empty() returned the same bytes twice"
     assert compare_traces(a, b) is None
     doc = json.loads(a.read_text())
     records = {doc["ops"][r[0]]: r for r in doc["records"]}
     assert [doc["values"][i] for i in records["aten.empty.memory_format"][4]] == ["uninit"]
     assert [doc["values"][i] for i in records["aten.copy_.default"][4]] != ["uninit"]
+    if raw[0] == raw[1]:
+        pytest.skip(
+            "no negative control here: empty() returned the same bytes in both runs (this allocator "
+            "fills the memory it hands out, e.g. MALLOC_PERTURB_), so equal traces prove nothing"
+        )
 
 
 def test_in_place_writes_through_an_alias_are_digested_again(tmp_path: Path) -> None:

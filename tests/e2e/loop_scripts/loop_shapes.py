@@ -378,6 +378,9 @@ def in_child(work: Callable[[], None], log: Path) -> int:
     def guarded() -> None:
         signal.alarm(CHILD_TIMEOUT_S)  # a hung child dies (SIGALRM) instead of hanging the test
         warnings.simplefilter("error")  # like the test suite's filterwarnings = error
+        # ... less what tests/conftest.py ignores: the warning that 2 workers exceed this
+        # machine's CPUs (on a 1-CPU machine), which says nothing about the resume
+        warnings.filterwarnings("ignore", "This DataLoader will create", UserWarning)
         work()
 
     return forking.wait(forking.start(guarded, log=log))
