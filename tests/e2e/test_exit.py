@@ -15,6 +15,7 @@ decref still pending when the script ended).
 from __future__ import annotations
 
 import gzip
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -61,6 +62,19 @@ def _plain(cwd: Path, *args: str, spawn: bool = False) -> subprocess.CompletedPr
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
 
+def _plain_clean_spawn(cwd: Path, tries: int = 8) -> subprocess.CompletedProcess[str]:
+    """Plain python spawning its ranks, launched again until no rank aborts at exit (a third of
+    the launches here abort, torch's race: what plain python keeps is what a clean ending keeps)."""
+    for _ in range(tries):
+        shutil.rmtree(cwd, ignore_errors=True)
+        cwd.mkdir()
+        proc = _plain(cwd, spawn=True)
+        if ABORT not in proc.stderr:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            return proc
+    raise AssertionError(f"plain python's spawned ranks aborted at exit in {tries} launches of {tries}")
+
+
 def test_the_integrity_check_fails_for_files_a_process_never_closed(tmp_path: Path) -> None:
     """The negative control of every test below: skipping the finalization (``os._exit``) loses
     both files on both ranks, and ``_problems`` says so."""
@@ -102,9 +116,9 @@ def test_ranks_a_script_spawns_end_as_plain_python_ends_them(tmp_path: Path) -> 
     python: the same files whole or lost (with torch imported, plain python's spawned ranks lose
     module globals left open: nothing to keep beyond what plain python keeps), and the ``--late``
     case ends with exit code 0."""
-    for name in ("plain", "run", "late"):
+    for name in ("run", "late"):
         (tmp_path / name).mkdir()
-    plain = _plain(tmp_path / "plain", spawn=True)
+    plain = _plain_clean_spawn(tmp_path / "plain")
     ours = torchrepro(tmp_path / "run", "run", str(SCRIPT), "--spawn", str(free_port()))
     assert ours.returncode == 0, ours.stderr[-3000:]
     assert _problems(tmp_path / "run") == _problems(tmp_path / "plain"), plain.stderr[-3000:]
