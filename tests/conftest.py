@@ -40,6 +40,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(HERE):
             for spec in MACHINE_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
+    # The files with slow tests (subprocesses, torchrun) first, each file's tests in their order:
+    # ``--dist loadfile`` hands out files in this order, so the many quick in-process files come
+    # last and fill whichever worker finishes its slow files first (a slow file last kept one
+    # worker busy minutes after the other had finished).
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 _DELIVERED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
