@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# --no-loadscope-reorder: files in the order tests/conftest.py gives (slow files first), not by
+# their number of tests (which put the few-test, minutes-long files last, one worker busy alone)
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 CHROMIUM ?= /usr/bin/chromium
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -58,7 +60,7 @@ coverage: $(STAMP)
 # the frameworks), plus the doctests of src/torchrepro. Test tools, numpy and xxhash at the pins of
 # constraints-dev.txt (torch 2.5 is built against NumPy 2 and runs with it).
 FLOOR_TORCHES ?= 2.5.1 2.14.1
-FLOOR_PYTEST_ARGS ?= -n 2 --dist loadfile
+FLOOR_PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 UNIT_TIER := tests src/torchrepro --ignore=tests/e2e --ignore=tests/cli --ignore=tests/integrations --ignore=tests/docs
 FLOOR_PINS = $$(grep -E '^(numpy|xxhash|pytest|pytest-xdist|pytest-timeout|hypothesis)==' constraints-dev.txt)
 

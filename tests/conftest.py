@@ -17,7 +17,7 @@ Once in a full run (not reproduced since, with each test's signal state compared
 no test changed it) a worker's main thread had SIGINT blocked: a blocked mask is inherited by every
 process the later tests start, so a test of Ctrl-C waited on a ``torchrepro`` that never got it,
 and ``signals_held``' own test saw no ``KeyboardInterrupt``. Such a leak is undone after the test it
-appeared in, with one line on the real stderr naming that test.
+appeared in (and before every test), with one line on the real stderr naming that test.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for spec in MACHINE_WARNINGS:
                 item.add_marker(pytest.mark.filterwarnings(spec))
     # The files with slow tests (subprocesses, torchrun) first, each file's tests in their order:
-    # ``--dist loadfile`` hands out files in this order, so the many quick in-process files come
-    # last and fill whichever worker finishes its slow files first (a slow file last kept one
-    # worker busy minutes after the other had finished).
+    # ``--dist loadfile --no-loadscope-reorder`` (the Makefile) hands out files in this order, so
+    # the many quick in-process files come last and fill whichever worker finishes its slow files
+    # first (a slow file last kept one worker busy minutes after the other had finished).
     slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
     items.sort(key=lambda item: item.path not in slow_files)
 
@@ -52,11 +52,21 @@ _DELIVERED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 """Signals the tests send (Ctrl-C, a terminating signal) and expect the processes they start to get."""
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    yield
+def _deliverable(when: str, nodeid: str) -> None:
+    """Unblock ``_DELIVERED`` in this thread, and give SIGINT back to Python's handler at the
+    system's level too (C code can ignore it behind Python's back); one line names the test."""
     blocked = _DELIVERED & set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
     if blocked:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
         names = ", ".join(sorted(signal.Signals(s).name for s in blocked))
-        print(f"tests/conftest.py: {item.nodeid} left {names} blocked; unblocked", file=sys.__stderr__)
+        print(f"tests/conftest.py: {names} blocked {when} {nodeid}; unblocked", file=sys.__stderr__)
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.default_int_handler:
+        signal.signal(signal.SIGINT, handler)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _deliverable("before", item.nodeid)
+    yield
+    _deliverable("after", item.nodeid)
