@@ -1,4 +1,5 @@
-"""Warnings that describe the machine the suite runs on, not the code under test.
+"""What the machine and the launching shell must not decide: warnings that describe the machine, a SIGINT
+ignored by the shell that started the suite; and the order the files run in (slow files first).
 
 The suite runs with ``filterwarnings = error`` (pyproject.toml). A warning whose appearance depends
 on the machine would make a test pass on one machine and fail on another, so it is ignored here,
@@ -12,19 +13,16 @@ for every test under ``tests/``, with the reason:
 The scripts the tests run in subprocesses that turn warnings into errors themselves ignore the
 same warning (``tests/e2e/loop_scripts/loop_shapes.py``).
 
-Also here: every test starts with SIGINT, SIGTERM and SIGHUP deliverable in the pytest process.
-Once in a full run (not reproduced since, with each test's signal state compared before and after:
-no test changed it) a worker's main thread had SIGINT blocked: a blocked mask is inherited by every
-process the later tests start, so a test of Ctrl-C waited on a ``torchrepro`` that never got it,
-and ``signals_held``' own test saw no ``KeyboardInterrupt``. Such a leak is undone after the test it
-appeared in (and before every test), with one line on the real stderr naming that test.
+Also here: SIGINT reaches the processes the tests start. A suite started in the background of a
+non-interactive shell (``make test &``, ``nohup``) inherits SIGINT ignored (POSIX: an asynchronous
+list without job control ignores SIGINT and SIGQUIT), and so would every process it starts: the
+tests of Ctrl-C then waited on a ``torchrepro`` that never got it (a terminal's Ctrl-C reaches a
+process whose SIGINT is not ignored). Python's handler is put back when SIGINT is ignored.
 """
 
 from __future__ import annotations
 
 import signal
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,25 +46,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow_files)
 
 
-_DELIVERED = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-"""Signals the tests send (Ctrl-C, a terminating signal) and expect the processes they start to get."""
-
-
-def _deliverable(when: str, nodeid: str) -> None:
-    """Unblock ``_DELIVERED`` in this thread, and give SIGINT back to Python's handler at the
-    system's level too (C code can ignore it behind Python's back); one line names the test."""
-    blocked = _DELIVERED & set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
-    if blocked:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
-        names = ", ".join(sorted(signal.Signals(s).name for s in blocked))
-        print(f"tests/conftest.py: {names} blocked {when} {nodeid}; unblocked", file=sys.__stderr__)
-    handler = signal.getsignal(signal.SIGINT)
-    if handler is signal.default_int_handler:
-        signal.signal(signal.SIGINT, handler)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    _deliverable("before", item.nodeid)
-    yield
-    _deliverable("after", item.nodeid)
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # see the module's docstring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
