@@ -51,13 +51,13 @@ def _problems(directory: Path) -> list[str]:
     return problems
 
 
-def _plain(cwd: Path, *args: str, spawn: bool = False) -> subprocess.CompletedProcess[str]:
+def _plain(cwd: Path, *, spawn: bool = False) -> subprocess.CompletedProcess[str]:
     """The script under plain ``torchrun --nproc-per-node 2``, or plain ``python`` spawning its ranks."""
     if spawn:
-        command = [sys.executable, str(SCRIPT), "--spawn", str(free_port()), *args]
+        command = [sys.executable, str(SCRIPT), "--spawn", str(free_port())]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        command += ["--master-port", str(free_port()), str(SCRIPT), *args]
+        command += ["--master-port", str(free_port()), str(SCRIPT)]
     env = user_env(OMP_NUM_THREADS="1")
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 
