@@ -55,6 +55,8 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         num_workers=draw(st.none() | st.just("other") | st.integers(0, 64).map(str)),
         cpu_capability=draw(st.none() | st.sampled_from(CPU_CAPABILITIES)),
         portable=draw(st.booleans()),
+        kill_at=draw(counts),
+        resume_states=draw(st.booleans()),
     )
 
 
@@ -86,6 +88,8 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "num_workers",
         "cpu_capability",
         "portable",
+        "kill_at",
+        "resume_states",
     }
 
 

@@ -104,6 +104,8 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
         return base.replace(num_workers="other") if index > 0 else base
     if vary == "world":  # every process gets the same threads: only the number of processes varies
         return base.replace(threads=base.threads or 1)
+    if vary == "resume":  # every run notes its states; check_resume kills and restarts the later ones
+        return base.replace(resume_states=True)
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
 
 
@@ -221,6 +223,29 @@ def check_script(
     ]
     check_dir = runrecord.new_run_dir(runrecord.CHECKS_ROOT if opts.root is None else opts.root)
     isolation, layers = _isolation(check_dir, enabled=opts.isolate)
+    if opts.vary == "resume":
+        from torchrepro.check_resume import check_resume
+
+        resume_command = build_command(
+            script, [*args, *opts.resume_args], module=module, nproc=opts.nproc, watch_writes=True
+        )
+        try:
+            return check_resume(
+                check_dir,
+                commands[0],
+                resume_command,
+                base,
+                opts,
+                isolation=isolation,
+                layers=layers,
+                script=script,
+                module=module,
+                progress=progress,
+                start_notes=[n for n in [nproc_note(opts.nproc), *portable_notes] if n],
+            )
+        finally:
+            if layers is not None:
+                layers.close()
     repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
     try:
         return _check(

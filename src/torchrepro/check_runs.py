@@ -181,9 +181,13 @@ def make_run(
     *,
     ranks: int,
     layers: Layers | None = None,
+    overlay: Overlay | None = None,
 ) -> Run:
+    """A run recorded in ``record_dir``, not started; in a fresh layer of ``layers``, or in
+    ``overlay`` (a layer handed over from a run that ended: ``Layers.hand_over``)."""
     spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
-    overlay = None if layers is None else layers.overlay(record_dir)
+    if overlay is None and layers is not None:
+        overlay = layers.overlay(record_dir)
     env = spec.to_env()
     # The runs of a check share the cores. OpenMP threads that wait by spinning (the default)
     # then burn the cores the other run needs: a check of a short CPU script took 2-2.5x one

@@ -109,6 +109,24 @@ def _add_portable(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _step_list(text: str) -> tuple[int, ...]:
+    """``--resume-at``: optimizer step counts >= 1, separated by commas (``2,5``)."""
+    parse = _integer(1, "optimizer step counts separated by commas")
+    return tuple(parse(part.strip()) for part in text.split(","))
+
+
+def _arguments(text: str) -> tuple[str, ...]:
+    """``--resume-args``: one string split as a shell splits it."""
+    import shlex
+
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"must be arguments as a shell writes them ({exc}): {text!r}"
+        ) from None
+
+
 def _integer(minimum: int, what: str, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in [minimum, maximum], refused with what is accepted."""
     accepted = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
@@ -218,7 +236,26 @@ def build_parser() -> argparse.ArgumentParser:
         "of the others in the parameters given to each optimizer, every optimizer step and the state "
         "at exit, not in batches, recorded values or backward() steps, which depend on the split; "
         "for training on a fixed global batch, e.g. with torchrepro.SeededLoader(global_batch_size=...) "
-        "and torchrepro.InvariantDataParallel)",
+        "and torchrepro.InvariantDataParallel), resume (the later run is SIGKILLed after an optimizer "
+        "step, --resume-at, and started again with the same command in the files it left, and must "
+        "end with the bits of the uninterrupted run: whether the script's own checkpoints resume exactly)",
+    )
+    p.add_argument(
+        "--resume-at",
+        type=_step_list,
+        default=None,
+        metavar="K[,K...]",
+        help="with --vary resume: kill the run once optimizer step K and what the script saves after it "
+        "are done (several: one killed and restarted run each; default: the middle of the first run's "
+        "steps)",
+    )
+    p.add_argument(
+        "--resume-args",
+        type=_arguments,
+        default=(),
+        metavar='"ARGS"',
+        help="with --vary resume: arguments added when the killed run is started again, one quoted "
+        'string (e.g. --resume-args "--resume_from_checkpoint last")',
     )
     p.add_argument("--no-locate", action="store_true", help="do not re-run to locate a compute divergence")
     p.add_argument(
@@ -481,6 +518,8 @@ CHECK_FLAGS = (
     "portable",
     "serial",
     "repro",
+    "resume_at",
+    "resume_args",
 )
 """``CheckOptions`` fields that a ``torchrepro check`` flag of the same name sets as it is."""
 

@@ -102,6 +102,14 @@ class Layers:
         self.made[name] = overlay = Overlay(root=self.root, layer=layer, keep=(self.check_dir,))
         return overlay
 
+    def hand_over(self, record_dir: Path, to: Path) -> Overlay:
+        """The layer of the run recorded in ``record_dir`` (every process of it ended), given to the
+        run recorded in ``to``: that run starts in the files the first one left (``check --vary
+        resume``), and what both wrote is collected into ``to``."""
+        overlay = self.made.pop(self._name(record_dir))
+        self.made[self._name(to)] = overlay
+        return overlay
+
     def discard(self, record_dir: Path) -> Overlay | None:
         """Forget the layer of the run recorded in ``record_dir`` and return it (None: none)."""
         return self.made.pop(self._name(record_dir), None)

@@ -18,8 +18,9 @@ from torchrepro.errors import SettingsError
 
 __all__ = ["ASSERT_OPTIONS", "VARY_CHOICES", "CheckOptions"]
 
-VARY_CHOICES = ("workers", "threads", "hashseed", "world")
-"""What ``--vary`` can change in later runs."""
+VARY_CHOICES = ("workers", "threads", "hashseed", "world", "resume")
+"""What ``--vary`` can change in later runs (``resume``: the later run is killed after a step and
+started again in the files it left, ``check_resume``)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class CheckOptions:
     divergence (for a report's plot); ``repro``: a new or empty directory for a standalone script
     of the located op; ``repro_threads``: under ``vary="threads"``, write that script into the
     check's own directory for a report; ``poll_interval``: seconds between looks at the runs.
+    ``resume_at``: with ``vary="resume"``, the optimizer steps after which the later run is killed
+    (one killed and restarted run per point; None: the middle of the first run's steps);
+    ``resume_args``: arguments added to the command that starts a killed run again.
     """
 
     runs: int = 2
@@ -57,8 +61,36 @@ class CheckOptions:
     repro: str | os.PathLike[str] | None = None
     repro_threads: bool = False
     poll_interval: float = 0.05
+    resume_at: tuple[int, ...] | None = None
+    resume_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.resume_at is not None:
+            object.__setattr__(self, "resume_at", _steps_list(self.resume_at))
+        if isinstance(self.resume_args, str):
+            raise SettingsError(
+                f"resume_args must be a list of arguments, got the string {self.resume_args!r} "
+                "(on the command line, --resume-args takes one quoted string)"
+            )
+        object.__setattr__(self, "resume_args", tuple(map(str, self.resume_args)))
+        if self.vary != "resume" and (self.resume_at is not None or self.resume_args):
+            raise SettingsError("--resume-at and --resume-args go with --vary resume")
+        if self.vary == "resume":
+            if not self.isolate:
+                raise SettingsError(
+                    "--vary resume starts the killed run again in the files it wrote, which needs each "
+                    "run's own copy of the working directory; drop --no-isolate"
+                )
+            if self.runs != 2:
+                raise SettingsError(
+                    f"--vary resume compares one uninterrupted run with resumed ones (one per --resume-at "
+                    f"point); drop --runs {self.runs}"
+                )
+            if self.steps is not None and self.resume_at is not None and max(self.resume_at) >= self.steps:
+                raise SettingsError(
+                    f"--resume-at {max(self.resume_at)} is not before the last of --steps {self.steps}: "
+                    "the run is killed after that step and must go on after it"
+                )
         if self.runs < 2:
             raise SettingsError(f"runs must be >= 2 to compare anything, got {self.runs}")
         if self.steps is not None and self.steps < 1:
@@ -90,6 +122,21 @@ class CheckOptions:
     def replace(self, **changes: Any) -> CheckOptions:
         """A copy with ``changes`` (validated again)."""
         return self.build(self, **changes)
+
+
+def _steps_list(value: Any) -> tuple[int, ...]:
+    """``resume_at`` as sorted distinct step counts (each >= 1); ``SettingsError`` otherwise."""
+    values = (value,) if isinstance(value, int) else value
+    try:
+        steps = tuple(values)
+    except TypeError:
+        steps = ()
+    if not steps or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in steps):
+        raise SettingsError(
+            f"resume_at must be optimizer step counts >= 1 (the run is killed after that many steps), "
+            f"got {value!r}"
+        )
+    return tuple(sorted(set(steps)))
 
 
 ASSERT_OPTIONS = tuple(

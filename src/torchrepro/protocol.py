@@ -95,6 +95,8 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "num_workers": ("NUM_WORKERS", "str"),
     "cpu_capability": ("CPU_CAPABILITY", "str"),
     "portable": ("PORTABLE", "bool"),
+    "kill_at": ("KILL_AT", "int"),
+    "resume_states": ("RESUME_STATES", "bool"),
 }
 
 LOCATION_VARIABLES = (
@@ -148,7 +150,10 @@ class ChildSpec:
     every op (the audit) to ``<ops_out>.rank<R>.json``; ``capture_op``/``capture_out`` (with a
     trace) save the inputs of the traced op at that index of the trace to ``<capture_out>.rank<R>.*``
     (``check --repro``); ``max_steps`` ends the run with exit code
-    0 after that many optimizer steps.
+    0 after that many optimizer steps. ``kill_at=K``: before its (K+1)-th step the first optimizer
+    notes ``runrecord.killpoint_path`` and waits for the check to kill the run (``check --vary
+    resume``); ``resume_states``: note the RNG states before every step of the first optimizer,
+    and the parameters and optimizer state before the first one (``runrecord.states_path``).
     """
 
     seed: int | None = None
@@ -168,6 +173,8 @@ class ChildSpec:
     cpu_capability: str | None = None
     hash_seed: int | None = None
     portable: bool = False
+    kill_at: int | None = None
+    resume_states: bool = False
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES
@@ -185,6 +192,7 @@ class ChildSpec:
         _count("threads", self.threads, 1, "a thread count")
         _count("record_values", self.record_values, 0, "a number of values")
         _count("max_steps", self.max_steps, 1, "a number of optimizer steps")
+        _count("kill_at", self.kill_at, 1, "a number of optimizer steps")
         _count("trace_step", self.trace_step, 0, "an optimizer step index (0 is the first step)")
         _count(
             "trace_optimizer", self.trace_optimizer, BACKWARD_STEPS, "an optimizer index (-1: backward steps)"
@@ -204,8 +212,9 @@ class ChildSpec:
             raise SettingsError("capture_op captures an op of the traced step: give trace_step too")
         if self.num_workers is not None and not re.fullmatch(r"other|[0-9]+", self.num_workers):
             raise SettingsError(f"num_workers must be 'other' or a count >= 0, got {self.num_workers!r}")
-        if not isinstance(self.portable, bool):
-            raise SettingsError(f"portable must be True or False, got {self.portable!r}")
+        for flag in ("portable", "resume_states"):
+            if not isinstance(getattr(self, flag), bool):
+                raise SettingsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cpu_capability is not None and self.cpu_capability not in CPU_CAPABILITIES:
             raise SettingsError(
                 f"cpu_capability must be one of {CPU_CAPABILITIES}, got {self.cpu_capability!r}"

@@ -25,6 +25,8 @@ __all__ = [
     "Isolation",
     "Outcome",
     "Repro",
+    "ResumePoint",
+    "ResumeScope",
     "SettingDifference",
     "TensorDifference",
     "WorldScope",
@@ -180,6 +182,49 @@ class WorldScope:
             f"across world sizes: rank 0 of the run on {processes(self.reference)} against every rank "
             f"of the run on {processes(self.other)}; compared: {compared}; not compared: {left_out}"
         )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """One kill and restart of ``check --vary resume``: the run was killed after ``killed_after``
+    optimizer steps; the restarted run started from the state of the first run after
+    ``restored_at`` steps (None: it could not be aligned) and ``steps_compared`` of its steps were
+    compared with the first run's (the one that differs included)."""
+
+    killed_after: int
+    restored_at: int | None
+    steps_compared: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "killed_after": self.killed_after,
+            "restored_at": self.restored_at,
+            "steps_compared": self.steps_compared,
+        }
+
+    def describe(self) -> str:
+        """``killed after step 5, restored at step 5, 7 steps compared``."""
+        restored = "not aligned" if self.restored_at is None else f"restored at step {self.restored_at}"
+        steps = f"{self.steps_compared} step{'s' if self.steps_compared != 1 else ''} compared"
+        return f"killed after step {self.killed_after}, {restored}, {steps}"
+
+
+@dataclass(frozen=True)
+class ResumeScope:
+    """What ``check --vary resume`` did: one ``ResumePoint`` per kill, in the order of their steps;
+    ``reported`` indexes the point the verdict is about (the first that differs or could not be
+    aligned; else the first)."""
+
+    points: tuple[ResumePoint, ...]
+    reported: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``resume`` object of ``check --json``: the reported point's fields, and every point."""
+        return {**self.points[self.reported].to_dict(), "points": [p.to_dict() for p in self.points]}
+
+    def describe(self) -> str:
+        """Every point in words, ``; `` between them."""
+        return "; ".join(p.describe() for p in self.points)
 
 
 @dataclass(frozen=True)
@@ -425,6 +470,7 @@ class CheckResult:
     ``world`` (``--vary world``) says which ranks and events were compared across world sizes;
     ``reason`` then says, for a divergence, why the runs part and what to do.
     ``repro`` is what ``repro=DIR`` wrote (None: nothing; the notes say why).
+    ``resume`` (``--vary resume``) says where the run was killed and where its restart was aligned.
     """
 
     reproducible: bool | None
@@ -445,6 +491,7 @@ class CheckResult:
     portable: dict[str, Any] | None = None
     world: WorldScope | None = None
     repro: Repro | None = None
+    resume: ResumeScope | None = None
 
     @property
     def outcome(self) -> Outcome:
@@ -476,6 +523,8 @@ class CheckResult:
         }
         if self.world is not None:
             d["world"] = self.world.to_dict()
+        if self.resume is not None:
+            d["resume"] = self.resume.to_dict()
         if self.isolation is not None:
             d["isolation"] = self.isolation.to_dict()
             d["shared_writes"] = list(self.shared_writes)

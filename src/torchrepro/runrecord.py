@@ -9,6 +9,11 @@ A run record is a directory (``torchrepro run``: ``.torchrepro/runs/<id>/``; ``c
 - ``events.rank<R>.jsonl``: one JSON event a line per rank, appended and flushed as they happen;
 - ``world.rank<R>.json``: the rank and world size rank R saw when it joined a process group (so
   a check knows the ranks a script started itself, recorded or not);
+- ``states.rank<R>.jsonl`` (``check --vary resume``): before every step of the first optimizer,
+  the fingerprints of the RNG states, and before a process's first step those of the parameters
+  and the optimizer state it starts from (``write``: ``_child.session``; ``read_states``);
+- ``killpoint.rank<R>.json`` (``check --vary resume``): rank R reached the step the check kills
+  the run before, and waits to be killed;
 - ``uncovered.pid<P>.json``: a python child the script started that trained without a rank of
   its own (or whose rank was taken): its events were not recorded, and a check says so;
 - ``trace-step<K>.rank<R>``: op traces of optimizer step K (``run --trace-step K``);
@@ -65,6 +70,8 @@ __all__ = [
     "capture_paths",
     "claim",
     "events_path",
+    "killpoint_path",
+    "killpoints",
     "load_run",
     "new_run_dir",
     "new_run_id",
@@ -76,8 +83,10 @@ __all__ = [
     "ranks_present",
     "read_events",
     "read_json",
+    "read_states",
     "read_uncovered",
     "read_world",
+    "states_path",
     "trace_path",
     "trace_prefix",
     "validate_event",
@@ -113,6 +122,7 @@ _TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
 _OPS_GLOB = "*.rank*.json"
 _WORLD_RE = re.compile(r"^world\.rank(\d+)\.json$")
 _UNCOVERED_RE = re.compile(r"^uncovered\.pid(\d+)\.json$")
+_KILLPOINT_RE = re.compile(r"^killpoint\.rank(\d+)\.json$")
 
 
 def new_run_id() -> str:
@@ -229,6 +239,65 @@ def ranks_present(run_dir: str | os.PathLike[str]) -> set[int]:
     if any(_WORLD_RE.match(name) for name in names):
         found.update(range(max(read_world(run_dir).values(), default=0)))
     return found
+
+
+def states_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """The step states of ``rank`` (``check --vary resume``), one JSON object a line."""
+    return Path(run_dir) / f"states.rank{rank}.jsonl"
+
+
+def _state_problem(state: Any) -> str | None:
+    if not isinstance(state, dict) or not _is_index(state.get("step")):
+        return "expected an object with a step index"
+    rng = state.get("rng")
+    if not isinstance(rng, dict) or not all(isinstance(v, str) for v in rng.values()):
+        return "expected 'rng': an object of fingerprints"
+    leaves = state.get("t", [])
+    if not isinstance(leaves, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("n"), str) and isinstance(e.get("fp"), str) for e in leaves
+    ):
+        return "expected 't': a list of {n, fp} objects"
+    return None
+
+
+def read_states(run_dir: str | os.PathLike[str], rank: int) -> list[dict[str, Any]]:
+    """The step states ``rank`` noted, in order (none: ``[]``); a torn last line (a killed run) is
+    ignored, anything else malformed is an ``EnvFileError`` naming the file and line."""
+    path = states_path(run_dir, rank)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise EnvFileError(f"cannot read {path}: {exc}") from None
+    lines = data.split(b"\n")
+    states: list[dict[str, Any]] = []
+    for number, raw in enumerate(lines[:-1], start=1):  # the part after the last newline is torn
+        if not raw.strip():
+            continue
+        try:
+            state = loads(raw)
+        except ValueError:
+            state = None
+        problem = _state_problem(state)
+        if problem is not None:
+            raise EnvFileError(f"cannot read {path}, line {number}: {problem}")
+        states.append(state)
+    return states
+
+
+def killpoint_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where ``rank`` notes that it waits, before the step it is killed at, to be killed."""
+    return Path(run_dir) / f"killpoint.rank{rank}.json"
+
+
+def killpoints(run_dir: str | os.PathLike[str]) -> set[int]:
+    """The ranks of ``run_dir`` that reached their kill point."""
+    try:
+        names = [p.name for p in Path(run_dir).iterdir()]
+    except OSError:
+        return set()
+    return {int(m.group(1)) for m in map(_KILLPOINT_RE.match, names) if m}
 
 
 def write_uncovered(run_dir: str | os.PathLike[str], pid: int, argv: Sequence[str], reason: str) -> None:

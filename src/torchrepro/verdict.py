@@ -143,16 +143,29 @@ def describe_check(result: CheckResult) -> list[str]:
     steps = describe_steps(result.steps_compared, result.optimizer_steps)
     varied = f"; varied: {result.varied}" if result.varied else ""
     with_varied = f" with {result.varied}" if result.varied else ""
-    lines = _headline(
-        result.outcome,
-        result.reason,
-        result.first_divergence,
-        negative="NOT reproducible",
-        compared=f"{steps} compared{varied}",
-        who=f"{result.runs} runs",
-        identical=f"reproducible: {result.runs} runs identical over {steps}{with_varied}",
-        compared_after=True,
-    )
+    if result.resume is not None and result.outcome is Outcome.REPRODUCIBLE:
+        lines = [f"resumes exactly: {result.resume.describe()}", f"  ({steps} compared; {result.varied})"]
+    elif result.resume is not None and result.outcome is Outcome.DIVERGED and result.first_divergence:
+        lines = [
+            "NOT reproducible across a resume: first divergence: "
+            + describe_divergence(result.first_divergence),
+            f"  {result.reason}" if result.reason else "",
+            f"  resume: {result.resume.describe()}",
+        ]
+        lines = [line for line in lines if line]
+    else:
+        lines = _headline(
+            result.outcome,
+            result.reason,
+            result.first_divergence,
+            negative="NOT reproducible",
+            compared=f"{steps} compared{varied}",
+            who=f"{result.runs} runs",
+            identical=f"reproducible: {result.runs} runs identical over {steps}{with_varied}",
+            compared_after=True,
+        )
+        if result.resume is not None:
+            lines.append(f"  resume: {result.resume.describe()}")
     if result.coverage is not None:
         lines.append(f"  {result.coverage.describe(uncovered=result.outcome is not Outcome.DIVERGED)}")
     if result.portable is not None:

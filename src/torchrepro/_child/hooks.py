@@ -38,6 +38,7 @@ from torchrepro.recorder import Recorder
 __all__ = [
     "BackwardCallback",
     "InitCallback",
+    "PreStepCallback",
     "StepCallback",
     "install_hooks",
     "install_world_hook",
@@ -57,6 +58,10 @@ def worker_mapping(spec: str | None) -> Callable[[int], int] | None:
 
 StepCallback = Callable[[torch.optim.Optimizer, int, int], None]
 """Called after every recorded optimizer step with (optimizer, optimizer index, step index)."""
+
+PreStepCallback = Callable[[torch.optim.Optimizer, int, int, Callable[[], list[tuple[str, Any]]]], None]
+"""Called before every optimizer step with (optimizer, optimizer index, index of the step about to
+run, a function returning the optimizer's named gradients, state and parameters as they are)."""
 
 InitCallback = Callable[[torch.optim.Optimizer, int], None]
 """Called after an optimizer is created with (optimizer, optimizer index)."""
@@ -94,6 +99,7 @@ def install_hooks(
     on_init: InitCallback | None = None,
     on_step: StepCallback | None = None,
     on_backward: BackwardCallback | None = None,
+    on_pre_step: PreStepCallback | None = None,
 ) -> BackwardSteps:
     """Install the process-global recording hooks (the bootstrap calls this once per process).
 
@@ -101,7 +107,8 @@ def install_hooks(
     ``num_workers`` every DataLoader is created with to the value actually used (``--vary
     workers``), and ``on_vary(original, used)`` hears of each DataLoader it changed (a loader
     rebuilt from one it changed is not counted again). ``on_init``/``on_step``/``on_backward``
-    run after the recorder's own event is written. Returns the ``backward()`` step watcher (its
+    run after the recorder's own event is written; ``on_pre_step`` before each optimizer step.
+    Returns the ``backward()`` step watcher (its
     ``flush()`` writes the last hand-written update at exit).
     """
     _recorder.activate(recorder)
@@ -143,9 +150,24 @@ def install_hooks(
         if on_step is not None:
             on_step(opt, index, step)
 
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     register_optimizer_step_post_hook(step_hook)
+
+    if on_pre_step is not None:
+        callback = on_pre_step
+
+        def pre_step_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            index: int = getattr(opt, "_torchrepro_index", 0)
+            step = recorder.optimizer_steps.get(index, 0) if recorder is not None else 0
+            frame = sys._getframe(1)
+
+            def items() -> list[tuple[str, Any]]:
+                return optimizer_items(opt, names.names(_params(opt), frame))
+
+            callback(opt, index, step, items)
+
+        register_optimizer_step_pre_hook(pre_step_hook)
 
     def backward_started(k: int) -> None:
         if on_backward is not None:

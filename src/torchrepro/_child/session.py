@@ -19,6 +19,11 @@ Invariants:
 - A configured process reaches the interpreter's exit only once torch's gloo worker threads are
   idle (``_child.teardown``, installed at ``configure``): its finalization, which closes the files
   the script left open, runs as for plain python.
+- ``kill_at=K`` (``check --vary resume``): before the (K+1)-th step of the first optimizer, after
+  everything the script did after step K, the process notes ``runrecord.killpoint_path`` and
+  waits for the check to SIGKILL its run (a crash at a moment the check chose, on every rank);
+  ``resume_states`` notes the RNG states before every such step and the parameters and optimizer
+  state before a process's first (``runrecord.states_path``): what a restarted run is aligned by.
 - A process forked from a configured one inherits its hooks but records nothing (the recorder
   stays silent there) and never traces; when it trains (an optimizer step, a ``backward()`` step)
   it leaves one ``uncovered`` note, so a check says the training ran unrecorded.
@@ -26,8 +31,12 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +48,7 @@ from torchrepro._child.hooks import install_hooks, install_world_hook, worker_ma
 from torchrepro._child.probe import SettingsProbe, install_probe
 from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.training import BackwardSteps
+from torchrepro._io import atomic_write_json
 from torchrepro._runtime import env_rank
 from torchrepro.events import FINAL_KEY
 from torchrepro.protocol import BACKWARD_STEPS, ChildSpec
@@ -69,6 +79,7 @@ class Session:
         self.has_optimizer = False
         self.backward_steps: BackwardSteps | None = None
         self.probe: SettingsProbe | None = None
+        self._state_noted = False  # the parameters and optimizer state of the first step (resume)
         if spec.record_dir:
             kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
             self.claim = RankClaim(spec.record_dir, main=main)
@@ -192,6 +203,51 @@ class Session:
         if self.spec.max_steps is not None and min(self.steps.values()) >= self.spec.max_steps:
             raise MaxStepsReached(0)
 
+    def on_pre_step(
+        self, opt: torch.optim.Optimizer, index: int, step: int, items: Callable[[], list[tuple[str, Any]]]
+    ) -> None:
+        """Before step ``step`` of optimizer ``index``: the states and the kill point of ``check
+        --vary resume`` (first optimizer, the configured process only)."""
+        if index != 0 or os.getpid() != self.pid or not self.spec.record_dir:
+            return
+        rank = self.rank
+        if rank is None:
+            return
+        if self.spec.resume_states:
+            self._note_state(rank, step, items)
+        if self.spec.kill_at is not None and step == self.spec.kill_at:
+            self._wait_to_be_killed(rank, step)
+
+    def _note_state(self, rank: int, step: int, items: Callable[[], list[tuple[str, Any]]]) -> None:
+        from torchrepro.hashing import fingerprint
+
+        entry: dict[str, Any] = {"step": step, "rng": _rng_fingerprints()}
+        if not self._state_noted:
+            self._state_noted = True
+            with _recorder.paused():
+                entry["t"] = [
+                    {"n": name, "fp": fingerprint(value)}
+                    for name, value in items()
+                    if name.startswith(("param:", "state:")) and isinstance(value, torch.Tensor)
+                ]
+        assert self.spec.record_dir is not None
+        try:
+            with open(runrecord.states_path(self.spec.record_dir, rank), "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+        except OSError as exc:
+            print(f"torchrepro: could not note the state before step {step}: {exc}", file=sys.stderr)
+
+    def _wait_to_be_killed(self, rank: int, step: int) -> None:
+        assert self.spec.record_dir is not None
+        atomic_write_json(runrecord.killpoint_path(self.spec.record_dir, rank), {"step": step})
+        deadline = time.monotonic() + _KILL_WAIT
+        while time.monotonic() < deadline:  # the check SIGKILLs every process of the run
+            time.sleep(0.1)
+        print(
+            f"torchrepro: waited {_KILL_WAIT:.0f} s after step {step} to be killed; ending", file=sys.stderr
+        )
+        os._exit(70)
+
     def on_backward(self, step: int, ended: bool) -> None:
         """Steps counted by ``backward()``: training no optimizer sees (``_child.training``)."""
         traced = self.spec.trace_step if self.spec.trace_optimizer == BACKWARD_STEPS else None
@@ -233,6 +289,27 @@ class Session:
         if self.claim is not None and self.main:
             self.claim.touch()
         self._save_varied()
+
+
+_KILL_WAIT = 600.0
+"""Seconds a process at its kill point waits for the check to kill it (then it ends itself)."""
+
+
+def _rng_fingerprints() -> dict[str, str]:
+    """The fingerprints of the global RNG states this process has: torch's CPU generator, CUDA's
+    (once initialised), NumPy's legacy global one (once imported) and Python's ``random``."""
+    from torchrepro.hashing import fingerprint
+
+    with _recorder.paused():
+        found = {"torch": fingerprint(torch.get_rng_state())}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            found["cuda"] = fingerprint(torch.cuda.get_rng_state_all())
+        np = sys.modules.get("numpy")
+        if np is not None:
+            state = np.random.get_state()
+            found["numpy"] = fingerprint([state[1], int(state[2])])
+        found["python"] = fingerprint(list(random.getstate()[1]))
+    return found
 
 
 def _record_final_state(recorder: Recorder) -> None:
@@ -302,6 +379,7 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
         on_vary=session.on_vary if spec.num_workers is not None else None,
         on_init=session.on_init,
         on_step=session.on_step,
+        on_pre_step=session.on_pre_step if spec.kill_at is not None or spec.resume_states else None,
         on_backward=(
             session.on_backward if spec.max_steps or spec.trace_step is not None or spec.record_dir else None
         ),

@@ -31,7 +31,15 @@ from torchrepro.results import (
     Divergence,
 )
 
-__all__ = ["RankCursor", "coverage", "first_divergence", "optimizer_steps", "steps_compared", "world_cursor"]
+__all__ = [
+    "RankCursor",
+    "coverage",
+    "event_divergence",
+    "first_divergence",
+    "optimizer_steps",
+    "steps_compared",
+    "world_cursor",
+]
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -103,19 +111,21 @@ class RankCursor:
                     if is_optimizer_key(ea["key"]):
                         self.optimizer_steps[ea["key"]] = self.optimizer_steps.get(ea["key"], 0) + 1
                 if not _same(ea, eb):
-                    self.divergence = _divergence(ea, eb, self.rank, i)
+                    self.divergence = event_divergence(ea, eb, self.rank, i)
                     break
                 self.position += 1
             elif has_a and b_done:
-                self.divergence = _divergence(self.a[i], None, self.rank, i)
+                self.divergence = event_divergence(self.a[i], None, self.rank, i)
             elif has_b and a_done:
-                self.divergence = _divergence(None, self.b[i], self.rank, i)
+                self.divergence = event_divergence(None, self.b[i], self.rank, i)
             else:
                 break
         return self.divergence
 
 
-def _divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, index: int) -> Divergence:
+def event_divergence(a: dict[str, Any] | None, b: dict[str, Any] | None, rank: int, index: int) -> Divergence:
+    """The divergence of event ``a`` of the first run and ``b`` of the other at ``index`` of
+    ``rank`` (None: that run has no event there): its kind, step, key and first differing tensor."""
     event = a if a is not None else b
     assert event is not None
     kind, step = event["kind"], event["step"]
