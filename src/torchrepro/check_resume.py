@@ -407,8 +407,21 @@ def _verdict(
         d = first_found.divergence
         assert d is not None
         reported = resumed[i]
-        reason = first_found.explanation or (
-            f"the restarted run's step {d.step} is not the uninterrupted run's (see the differing tensor)"
+        others = [  # the all-reduced gradients spread one rank's difference to every rank
+            f"on rank {a.rank}, {a.explanation}"
+            for j, a in found
+            if j == i
+            and a is not first_found
+            and a.explanation
+            and a.divergence
+            and a.divergence.step == d.step
+        ]
+        reason = (
+            first_found.explanation
+            or (others[0] if others else None)
+            or (
+                f"the restarted run's step {d.step} is not the uninterrupted run's (see the differing tensor)"
+            )
         )
         return _result(
             check_dir,

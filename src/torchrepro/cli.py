@@ -62,13 +62,35 @@ class _TopParser(_Parser):
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         own, target = _split_module(self, list(sys.argv[1:] if args is None else args))
-        parsed = super().parse_args(own, namespace)
+        parsed = super().parse_args(_joined_values(own), namespace)
         if target is not None:
             rest = target[1:]
             if rest[:1] == ["--"]:  # `-m pkg -- --flag`, the spelling that worked before: same meaning
                 rest = rest[1:]
             parsed.module, parsed.args = target[0], rest
         return parsed
+
+
+_JOINED = ("--resume-args",)
+"""Options whose value is a script's arguments, so it starts with ``-`` more often than not."""
+
+
+def _joined_values(argv: list[str]) -> list[str]:
+    """``--resume-args "--resume x"`` as ``--resume-args=--resume x`` (argparse takes a value that
+    starts with ``-`` for an option), up to the script: what follows it is the script's."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--", "-m") or not arg.startswith("-") and arg.endswith(".py"):
+            return out + argv[i:]
+        if arg in _JOINED and i + 1 < len(argv):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(arg)
+        i += 1
+    return out
 
 
 def _add_script_args(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,8 @@ Target = str | os.PathLike[str] | Callable[..., Any]
 
 Variation = str | Mapping[str, Any] | None
 """What the later runs of one check change: nothing, a setting (``"threads"``, ``"workers"``,
-``"hashseed"``), or, for a function, keyword arguments it is called with (``{"resume_at": 3}``)."""
+``"hashseed"``, ``"world"``; ``"resume"``: killed after a step and started again, with the options
+``resume_at`` and ``resume_args``), or, for a function, keyword arguments it is called with (``{"resume_at": 3}``)."""
 Variations = list[Variation] | tuple[Variation, ...]
 """Several variations: one check each, in order."""
 
@@ -90,6 +91,10 @@ def _argument(value: Any, index: int) -> str:
     )
 
 
+_RESUME_OPTIONS = ("resume_at", "resume_args")
+"""Options of ``vary="resume"`` only: given to its check, not to the others of a list of ``vary``."""
+
+
 def _varies(vary: Variation | Variations, launch: _Launch) -> list[Variation]:
     varies: list[Variation] = list(vary) if isinstance(vary, (list, tuple)) else [vary]
     if not varies or not all(isinstance(v, (str, Mapping)) for v in varies if v is not None):
@@ -101,7 +106,7 @@ def _varies(vary: Variation | Variations, launch: _Launch) -> list[Variation]:
         raise TypeError(
             "vary as a dict compares a function called with those keyword arguments against the plain "
             f"call; {launch.name} is a script or module: vary its settings (threads, workers, hashseed, "
-            "world) instead"
+            "world, resume) instead"
         )
     return varies
 
@@ -154,6 +159,9 @@ def _run(
     check_options = _options(options)
     if workdir is not None:
         check_options.setdefault("root", workdir / "checks")
+    resume = {key: check_options.pop(key) for key in _RESUME_OPTIONS if key in check_options}
+    if resume and "resume" not in varies:
+        raise TypeError(f"{' and '.join(resume)} go with vary='resume' (got vary={vary!r})")
     base = CheckOptions.build(runs=runs, steps=steps, **check_options)
     results: list[CheckResult] = []
     with ExitStack() as stack:
@@ -175,7 +183,9 @@ def _run(
                 script,
                 launch.argv,
                 module=launch.module,
-                options=base.replace(vary=None if isinstance(v, Mapping) else v),
+                options=base.replace(
+                    vary=None if isinstance(v, Mapping) else v, **(resume if v == "resume" else {})
+                ),
                 later_args=later,
             )
             if isinstance(v, Mapping):
