@@ -450,3 +450,27 @@ def test_processes_of_one_run_noting_the_same_are_named_once(tmp_path: Path) -> 
     assert rank_notes(runs, None) == [
         "run(s) 1, 2: python child `python hogwild.py` was not recorded: it was forked"
     ]
+
+
+def test_vary_resume_without_isolation_is_inconclusive_and_starts_nothing(tmp_path: Path) -> None:
+    # where the kernel refuses the overlay there is no copy of the files to restart in
+    from torchrepro.check_resume import check_resume
+    from torchrepro.options import CheckOptions
+    from torchrepro.results import Isolation
+
+    refused = Isolation(mode="none", root=str(tmp_path), reason="the kernel refused an overlay (EPERM)")
+    result = check_resume(
+        tmp_path,
+        ["false"],
+        ["false"],
+        BASE,
+        CheckOptions(vary="resume"),
+        isolation=refused,
+        layers=None,
+        script="t.py",
+        module=None,
+        progress=None,
+    )
+    assert result.reproducible is None and result.inconclusive
+    assert result.reason is not None and "the kernel refused an overlay (EPERM)" in result.reason
+    assert not any(p.name.startswith("run") for p in tmp_path.iterdir())  # no run was started

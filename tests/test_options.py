@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,19 @@ def test_assert_reproducible_takes_the_runs_options_by_keyword() -> None:
         ({"vary": "moon"}, "vary must be one of"),
         ({"steps_after_divergence": -1}, "steps_after_divergence must be >= 0"),
         ({"repro": "out", "locate": False}, "drop --no-locate"),
+        ({"resume_at": (3,)}, "--resume-at and --resume-args go with --vary resume"),
+        ({"resume_args": ("--resume",)}, "go with --vary resume"),
+        ({"vary": "resume", "isolate": False}, "drop --no-isolate"),
+        ({"vary": "resume", "runs": 3}, "drop --runs 3"),
+        (
+            {"vary": "resume", "steps": 5, "resume_at": (2, 5)},
+            "--resume-at 5 is not before the last of --steps 5",
+        ),
+        ({"vary": "resume", "resume_at": (0,)}, "resume_at must be optimizer step counts >= 1"),
+        ({"vary": "resume", "resume_at": ("2",)}, "resume_at must be"),
+        ({"vary": "resume", "resume_at": (True,)}, "resume_at must be"),
+        ({"vary": "resume", "resume_at": ()}, "resume_at must be"),
+        ({"vary": "resume", "resume_args": "--resume"}, "a list of arguments, got the string"),
     ],
 )
 def test_bad_values_are_refused_when_built(changes: dict[str, object], message: str) -> None:
@@ -96,3 +110,67 @@ def test_build_and_replace() -> None:
     with pytest.raises(SettingsError):
         base.replace(runs=0)
     assert "world" in VARY_CHOICES
+
+
+def test_resume_points_are_kept_sorted_and_distinct() -> None:
+    assert CheckOptions(vary="resume", resume_at=5).resume_at == (5,)  # type: ignore[arg-type]
+    assert CheckOptions(vary="resume", resume_at=(5, 2, 5)).resume_at == (2, 5)
+    assert CheckOptions(vary="resume", resume_args=["--resume", 3]).resume_args == ("--resume", "3")  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("argv", "resume_at", "resume_args", "script_args"),
+    [
+        (["--resume-at", "2,5", "t.py"], (2, 5), (), []),
+        (["--resume-args", "--resume", "t.py"], None, ("--resume",), []),  # a value starting with -
+        (
+            ["--resume-args", "--from 'a b'", "t.py", "--resume-args", "x"],
+            None,
+            ("--from", "a b"),
+            ["--resume-args", "x"],
+        ),
+        (["--resume-args=--resume", "t.py"], None, ("--resume",), []),
+    ],
+)
+def test_the_resume_flags(
+    argv: list[str], resume_at: tuple[int, ...] | None, resume_args: tuple[str, ...], script_args: list[str]
+) -> None:
+    args = cli.build_parser().parse_args(["check", "--vary", "resume", *argv])
+    assert (args.resume_at, args.resume_args, args.script, args.args) == (
+        resume_at,
+        resume_args,
+        "t.py",
+        script_args,
+    )
+    assert cli.check_options(args).resume_at == resume_at
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--vary", "resume", "--resume-at", "0"], "must be optimizer step counts separated by commas"),
+        (["--vary", "resume", "--resume-at", "2,x"], "must be optimizer step counts"),
+        (["--vary", "resume", "--resume-args", "'unclosed"], "must be arguments as a shell writes them"),
+        (["--vary", "resume", "--no-isolate"], "drop --no-isolate"),
+        (["--resume-at", "3"], "go with --vary resume"),
+    ],
+)
+def test_bad_resume_flags_are_usage_errors(
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("raise SystemExit('must not run')\n")
+    assert cli.main(["check", *argv, "t.py"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / ".torchrepro").exists()
+
+
+def test_resume_options_go_with_vary_resume_in_assert_reproducible() -> None:
+    from torchrepro.testing import assert_reproducible
+
+    with pytest.raises(TypeError, match="resume_at go with vary='resume'"):
+        assert_reproducible("t.py", vary="threads", resume_at=3)

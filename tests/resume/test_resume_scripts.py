@@ -154,6 +154,8 @@ def checked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, di
         "nosave": _check(tmp_path_factory, "nosave", *at, str(HANDWRITTEN), "--bug", "nosave"),
         "own": _check(tmp_path_factory, "own", *at, str(OWN)),
         "ddp": _check(tmp_path_factory, "ddp", "--nproc", "2", *at, str(DDP)),
+        "never": _check(tmp_path_factory, "never", "--resume-at", "40", str(HANDWRITTEN)),
+        "steps": _check(tmp_path_factory, "steps", "--steps", "8", str(HANDWRITTEN)),
         "ddp-rank-rng": _check(
             tmp_path_factory, "ddp-rr", "--nproc", "2", *at, str(DDP), "--bug", "rank-rng"
         ),
@@ -267,3 +269,20 @@ def test_every_rank_is_killed_and_compared_under_torchrun(
     code, verdict = checked["ddp-rank-rng"]
     assert code == 1 and verdict["first_divergence"]["step"] == CRASH_AFTER
     assert verdict["reason"].startswith("on rank 1, torch's CPU RNG state before step 5")
+
+
+def test_a_kill_point_the_script_never_reaches_is_not_a_pass(
+    checked: dict[str, tuple[int, dict[str, Any]]],
+) -> None:
+    code, verdict = checked["never"]
+    assert code == 3 and verdict["reproducible"] is None
+    assert "ended by itself after 12 optimizer step(s), so it was never killed" in verdict["reason"]
+
+
+def test_with_steps_the_kill_defaults_to_the_middle_and_the_end_is_not_compared(
+    checked: dict[str, tuple[int, dict[str, Any]]],
+) -> None:
+    code, verdict = checked["steps"]
+    assert code == 0 and verdict["reproducible"] is True
+    assert verdict["resume"]["points"] == [{"killed_after": 4, "restored_at": 4, "steps_compared": 4}]
+    assert any("the state at exit was not compared" in note for note in verdict["notes"])

@@ -85,7 +85,8 @@ def _closest(
     kill: int,
 ) -> str:
     """Why the restart cannot be aligned: the first run's state it comes closest to."""
-    candidates = [(f"after step {n}", posts[n - 1]) for n in range(1, min(kill, len(posts)) + 1)]
+    last = min(kill, len(posts))  # the latest step first: it wins a tie
+    candidates = [(f"after step {n}", posts[n - 1]) for n in range(last, 0, -1)]
     candidates.append(("at its start", start))
 
     def equal(other: list[tuple[str, str]]) -> int:
