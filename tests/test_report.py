@@ -217,3 +217,24 @@ def test_the_command_line_refuses_a_report_path_before_it_runs_anything(
         assert why in json.loads(capsys.readouterr().out)["error"]["message"]
     assert mine.read_text(encoding="utf-8") == "<p>mine</p>"
     assert not (tmp_path / ".torchrepro").exists()  # no check started
+
+
+def test_a_restarted_run_is_plotted_from_the_step_it_resumed_at_with_the_kill_marked(tmp_path: Path) -> None:
+    from torchrepro.report.distances import record_series, resumed_record
+    from torchrepro.report.svg import distance_svg
+    from torchrepro.runrecord import load_run
+
+    first = load_run(record(tmp_path / "a", {0: run(6, {})}))
+    # the restart resumed at step 3 (counting its steps from 0), read one extra batch first, and
+    # its step 4 (its own 1) differs
+    own = run(6, {4: 1e-3})
+    restart = [own[0], event(1, "data", "loader0", 0, [leaf("[0]", [9.0])])]
+    for e in own[1 + 2 * 3 :]:
+        restart.append({**e, "step": e["step"] - 3 if e["kind"] == "compute" else e["step"]})
+    stitched = resumed_record(first, load_run(record(tmp_path / "b", {0: restart})), 3)
+    series = record_series(first, stitched, label="resumed vs a")
+    assert [p.step for p in series.points] == [0, 1, 2, 3, 4, 5]
+    assert [p.differing for p in series.points] == [0, 0, 0, 0, 2, 2]
+    assert series.parted is None
+    svg = distance_svg([series], [(4, "killed after step 4"), (3, "resumed at step 3")])
+    assert svg.count('class="mark"') == 4 and 'data-step="3"' in svg and "killed after step 4" in svg

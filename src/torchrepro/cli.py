@@ -82,7 +82,7 @@ def _joined_values(argv: list[str]) -> list[str]:
     i = 0
     while i < len(argv):
         arg = argv[i]
-        if arg in ("--", "-m") or not arg.startswith("-") and arg.endswith(".py"):
+        if arg in ("--", "-m") or (not arg.startswith("-") and arg.endswith(".py")):
             return out + argv[i:]
         if arg in _JOINED and i + 1 < len(argv):
             out.append(f"{arg}={argv[i + 1]}")

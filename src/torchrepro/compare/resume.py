@@ -188,7 +188,9 @@ def align_resumed(
                 shape=tuple(leaf["shape"]),
                 dtype=str(leaf["dtype"]),
             )
-            why: str | None = f"the restarted run starts step {j} with the first run's parameters, but {what} {how}"
+            why: str | None = (
+                f"the restarted run starts step {j} with the first run's parameters, but {what} {how}"
+            )
             return result(1, d, why)
     a_index = {id(e): i for i, e in enumerate(a_events)}
     b_index = {id(e): i for i, e in enumerate(b_events)}

@@ -28,8 +28,8 @@ from torchrepro.verdict import (
 )
 
 if TYPE_CHECKING:
-    from torchrepro.results import CheckResult, Comparison, Divergence, TensorDifference
-from torchrepro.report.distances import Series, distance_series, record_series
+    from torchrepro.results import CheckResult, Comparison, Divergence, ResumeScope, TensorDifference
+from torchrepro.report.distances import Series, distance_series, record_series, resumed_record
 
 __all__ = [
     "REPORT_FORMAT",
@@ -74,6 +74,9 @@ class ReportData:
     tensor: dict[str, Any] | None = None
     source: SourceExcerpt | None = None
     series: tuple[Series, ...] = ()
+    marks: tuple[tuple[int, str], ...] = ()
+    """Steps the plot marks with a line and a label (``check --vary resume``: the kill and the
+    step the restart resumed at)."""
     settings: tuple[str, ...] = ()
     commands: tuple[tuple[str, ...], ...] = ()
     environment: tuple[dict[str, Any], ...] = ()
@@ -172,6 +175,9 @@ def check_report_data(result: CheckResult) -> ReportData:
         for i, record in enumerate(records[1:], start=1)
         if first is not None and record is not None
     ]
+    marks: tuple[tuple[int, str], ...] = ()
+    if result.resume is not None and first is not None:  # the restart, stitched after what it restored
+        series, marks = _resumed_series(check_dir, first, result.resume)
     settings: tuple[str, ...] = ()
     environment: tuple[dict[str, Any], ...] = ()
     if first is not None and len(records) > 1 and records[1] is not None:
@@ -201,6 +207,7 @@ def check_report_data(result: CheckResult) -> ReportData:
         tensor=None if tensor is None else tensor.to_dict(),
         source=source,
         series=tuple(series),
+        marks=marks,
         settings=settings,
         commands=commands if len(set(commands)) > 1 else (),
         environment=environment,
@@ -211,6 +218,26 @@ def check_report_data(result: CheckResult) -> ReportData:
         error=result.error,
         stderr_tail=result.stderr_tail,
     )
+
+
+def _resumed_series(
+    check_dir: Path, first: RunRecord, resume: ResumeScope
+) -> tuple[list[Series], tuple[tuple[int, str], ...]]:
+    """The restart of the reported point against run 1 (its steps numbered as run 1's), and the
+    kill and resume points to mark."""
+    index = resume.reported
+    point = resume.points[index]
+    marks = [(point.killed_after, f"killed after step {point.killed_after}")]
+    if point.restored_at is None:
+        return [], tuple(marks)
+    marks.append((point.restored_at, f"resumed at step {point.restored_at}"))
+    try:
+        restarted = runrecord.load_run(check_dir / f"run{index + 1}-resumed")
+    except ReproError:
+        return [], tuple(marks)
+    stitched = resumed_record(first, restarted, point.restored_at)
+    label = f"run {index + 2} (killed after step {point.killed_after}, resumed) vs run 1"
+    return [record_series(first, stitched, label=label)], tuple(marks)
 
 
 def compare_report_data(

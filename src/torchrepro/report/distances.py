@@ -24,7 +24,7 @@ from torchrepro.runrecord import RunRecord
 if TYPE_CHECKING:
     pass
 
-__all__ = ["MAX_POINTS", "Series", "StepDistance", "distance_series", "record_series"]
+__all__ = ["MAX_POINTS", "Series", "StepDistance", "distance_series", "record_series", "resumed_record"]
 
 
 MAX_POINTS = 5000  # steps plotted per series (a longer run is plotted up to there, and says so)
@@ -159,6 +159,57 @@ def _rank_distances(
     if seen and parted is None and not points:  # events but no training step (records only)
         points.append(bucket.distance(0))
     return points, parted, final
+
+
+def _step_segments(
+    events: Sequence[dict[str, Any]],
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    segments: list[list[dict[str, Any]]] = [[]]
+    for event in events:
+        segments[-1].append(event)
+        if is_step(event["kind"], event["key"]):
+            segments.append([])
+    return segments[:-1], segments[-1]
+
+
+def _stitched(
+    ea: Sequence[dict[str, Any]], eb: Sequence[dict[str, Any]], restored_at: int
+) -> list[dict[str, Any]]:
+    """One rank of a restarted run as if it had run from the start: the first run's events of its
+    first ``restored_at`` steps, then the restart's, each step's events matched with the first
+    run's of step ``restored_at + s`` by kind, from the end (a restart may read extra batches
+    before its first step), and numbered as those. Stops where a step has fewer events."""
+    seg_a, tail_a = _step_segments(ea)
+    seg_b, tail_b = _step_segments(eb)
+    out = [e for seg in seg_a[:restored_at] for e in seg]
+    for s, n in enumerate(range(restored_at, len(seg_a))):
+        if s >= len(seg_b):
+            return out
+        queues: dict[str, list[dict[str, Any]]] = {}
+        for kind in {e["kind"] for e in seg_a[n]}:
+            want = sum(1 for e in seg_a[n] if e["kind"] == kind)
+            have = [e for e in seg_b[s] if e["kind"] == kind]
+            if len(have) < want:
+                return out
+            queues[kind] = have[len(have) - want :]
+        for a in seg_a[n]:
+            b = queues[a["kind"]].pop(0)
+            key = a["key"] if a["kind"] == "data" else b["key"]  # loaders compared by content
+            out.append({**b, "key": key, "step": a["step"]})
+    if len(seg_b) == len(seg_a) - restored_at:  # both ran to their end: the states at exit too
+
+        def finals(tail: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [e for e in tail if e["kind"] == "compute" and e["key"] == FINAL_KEY]
+
+        out.extend({**b, "step": a["step"]} for a, b in zip(finals(tail_a), finals(tail_b), strict=False))
+    return out
+
+
+def resumed_record(first: RunRecord, restarted: RunRecord, restored_at: int) -> RunRecord:
+    """``restarted`` (a run started again after a kill, ``check --vary resume``) stitched onto the
+    first run's first ``restored_at`` steps, so ``record_series`` plots it against the first run."""
+    events = {r: _stitched(first.events.get(r, []), eb, restored_at) for r, eb in restarted.events.items()}
+    return RunRecord(path=restarted.path, events=events, env=restarted.env, settings=restarted.settings)
 
 
 def distance_series(

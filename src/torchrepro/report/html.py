@@ -67,7 +67,7 @@ details summary{cursor:pointer;color:#2471a3}
 """
 
 
-def _plot_section(series: Sequence[Series]) -> str:
+def _plot_section(series: Sequence[Series], marks: Sequence[tuple[int, str]] = ()) -> str:
     if not series or not any(s.points for s in series):
         return (
             '<section id="distance"><h2>How far the runs are apart</h2><p class="muted">No training step '
@@ -115,6 +115,15 @@ def _plot_section(series: Sequence[Series]) -> str:
         for p in s.points
         if p.differing
     )
+    marked = (
+        [
+            f"The dashed grey line{'s' if len(marks) > 1 else ''} mark{'' if len(marks) > 1 else 's'}: "
+            + "; ".join(escape(text) for _, text in marks)
+            + "."
+        ]
+        if marks
+        else []
+    )
     table = (
         "<details><summary>the steps that differ, as a table</summary><table><tr><th>runs</th><th>step</th>"
         "<th>tensors differing</th><th>largest |a-b|</th><th>first differing</th></tr>"
@@ -124,12 +133,12 @@ def _plot_section(series: Sequence[Series]) -> str:
     )
     return (
         '<section id="distance"><h2>How far the runs are apart, step by step</h2>'
-        f'<div class="legend">{legend}</div>{distance_svg(series)}'
+        f'<div class="legend">{legend}</div>{distance_svg(series, marks)}'
         '<p class="muted">Above: the largest absolute difference among the recorded values (every value of a '
         "tensor of at most 64 elements, 8 evenly spaced ones of a larger tensor: a lower bound), log scale. "
         '"equal": every tensor of the step is bit-identical; "differs*": tensors differ where no value was '
         "recorded. Below: how many tensors differ at the step. Hover a point for details.</p>"
-        f"<ul>{''.join(f'<li>{t}</li>' for t in extra)}</ul>{table}</section>"
+        f"<ul>{''.join(f'<li>{t}</li>' for t in [*extra, *marked])}</ul>{table}</section>"
     )
 
 
@@ -268,7 +277,7 @@ def render_report(data: ReportData) -> str:
         + error
         + _divergence_section(data)
         + _threads_html(data.threads)
-        + (_plot_section(data.series) if data.error is None else "")
+        + (_plot_section(data.series, data.marks) if data.error is None else "")
         + _environment_section(data)
         + (f'<section id="notes"><h2>Notes</h2><ul class="notes">{notes}</ul></section>' if notes else "")
         + f'<script type="application/json" id="torchrepro-data">{payload}</script>'

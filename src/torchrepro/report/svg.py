@@ -84,7 +84,8 @@ def tooltip(label: str, p: StepDistance) -> str:
     return f"{label}, step {p.step}: {p.differing} of {p.tensors} tensors differ, {how}{first}"
 
 
-def distance_svg(series: Sequence[Series]) -> str:
+def distance_svg(series: Sequence[Series], marks: Sequence[tuple[int, str]] = ()) -> str:
+    """The plot of ``series``; ``marks``: ``(step, label)`` drawn as labelled dashed lines."""
     plot = Plot(series)
     out = [
         f'<svg id="distance-plot" xmlns="http://www.w3.org/2000/svg" '
@@ -171,5 +172,14 @@ def distance_svg(series: Sequence[Series]) -> str:
                 f'stroke-dasharray="4 3"><title>{label}: the runs did different things from step {s.parted} '
                 "on (an event one run has and the other has not)</title></line>"
             )
+    for i, (step, text) in enumerate(marks):
+        x = plot.x(step)
+        out.append(
+            f'<line class="mark" data-step="{step}" x1="{x:.1f}" x2="{x:.1f}" y1="{plot.TOP}" '
+            f'y2="{plot.count_top + plot.COUNT_H}" stroke="#7f8c8d" stroke-dasharray="2 3">'
+            f"<title>{escape(text)}</title></line>"
+            f'<text class="mark" x="{x + 3:.1f}" y="{plot.TOP + 10 + 12 * i}" fill="#7f8c8d">'
+            f"{escape(text)}</text>"
+        )
     out.append("</svg>")
     return "".join(out)

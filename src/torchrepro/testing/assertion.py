@@ -45,7 +45,8 @@ Target = str | os.PathLike[str] | Callable[..., Any]
 Variation = str | Mapping[str, Any] | None
 """What the later runs of one check change: nothing, a setting (``"threads"``, ``"workers"``,
 ``"hashseed"``, ``"world"``; ``"resume"``: killed after a step and started again, with the options
-``resume_at`` and ``resume_args``), or, for a function, keyword arguments it is called with (``{"resume_at": 3}``)."""
+``resume_at`` and ``resume_args``), or, for a function, keyword arguments it is called with
+(``{"resume_at": 3}``)."""
 Variations = list[Variation] | tuple[Variation, ...]
 """Several variations: one check each, in order."""
 

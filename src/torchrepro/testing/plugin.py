@@ -51,8 +51,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{MARKER}(steps=None, vary=None, runs=2, **options): run this training test in fresh processes "
-        "(runs of them, per vary value: threads, workers, hashseed, world, resume) and fail unless they train "
-        "identically (torchrepro; options: those of torchrepro.testing.assert_reproducible)",
+        "(runs of them, per vary value: threads, workers, hashseed, world, resume) and fail unless they "
+        "train identically (torchrepro; options: those of torchrepro.testing.assert_reproducible)",
     )
     if config.getoption("--torchrepro-report") is not None:
         config.pluginmanager.register(_ReportSummary(config), "torchrepro-report-summary")
