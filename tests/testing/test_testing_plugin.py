@@ -44,6 +44,30 @@ def test_reproducible():
     train_small(3)
 
 
+def train_resumable(steps):
+    # checkpoints after every step (model, optimizer, RNG) and resumes from it: exact
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    done = 0
+    if Path("ckpt.pt").exists():
+        state = torch.load("ckpt.pt", weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        done = state["done"]
+        torch.set_rng_state(state["rng"])
+    for step in range(done, steps):
+        opt.zero_grad()
+        model(torch.randn(16, 8)).pow(2).mean().backward()
+        opt.step()
+        state = {"model": model.state_dict(), "opt": opt.state_dict(), "done": step + 1}
+        torch.save({**state, "rng": torch.get_rng_state()}, "ckpt.pt")
+
+
+@pytest.mark.reproducible(vary="resume", resume_at=2)
+def test_resumes():
+    train_resumable(4)
+
+
 @pytest.mark.reproducible(vary="threads")
 def test_depends_on_threads():
     train_layernorm(2)
@@ -147,8 +171,9 @@ def test_marked_tests_pass_fail_and_leave_a_report_per_failure(tmp_path: Path) -
     reports = tmp_path / "reports"
     proc = _pytest(project, "--strict-markers", "-W", "error", "-rA", "--torchrepro-report", str(reports))
     out = proc.stdout
-    assert "2 failed, 3 passed" in out, out + proc.stderr
+    assert "2 failed, 4 passed" in out, out + proc.stderr
     assert "PASSED test_training.py::test_reproducible" in out
+    assert "PASSED test_training.py::test_resumes" in out  # killed after step 2, resumed exactly
     assert "PASSED test_training.py::TestSuite::test_width[4]" in out
     assert "PASSED test_training.py::test_fixture" in out
     failed = "test_training.py::test_depends_on_threads (vary='threads'): NOT reproducible: first divergence:"
