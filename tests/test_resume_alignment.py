@@ -167,3 +167,13 @@ def test_a_restart_that_ends_early_or_goes_on_or_ends_elsewhere_differs() -> Non
 
 def test_no_optimizer_step_is_a_problem_not_a_pass() -> None:
     assert "took no optimizer step" in _align((_init(), [])).problem
+
+
+def test_an_update_that_differs_with_the_same_gradients_names_the_learning_rate() -> None:
+    events, states = _restart(2)
+    i = next(i for i, e in enumerate(events) if e["kind"] == "compute" and e["key"] == "optimizer0")
+    events[i]["t"][1]["fp"] = "other state"  # the momentum after the update, not the gradient
+    events[i] = {**events[i], "fp": "other"}
+    found = _align((events, states))
+    assert (found.divergence.step, found.divergence.name) == (2, "state:w:momentum_buffer")
+    assert "a learning-rate scheduler not restored?" in found.explanation

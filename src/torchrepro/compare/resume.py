@@ -17,8 +17,9 @@ Invariants:
   ``compare_final`` (both ran to their end) the restarted run must take exactly the steps left
   and end in the same state; the first difference found in that order is the divergence.
 - A divergence is explained where the states say why: an optimizer state not restored, a batch
-  that is not the one the first run read at that step, or a global RNG state (torch, CUDA,
-  NumPy, Python) that differs from the first run's before the step.
+  that is not the one the first run read at that step, an update that differs from the same state
+  and gradients (a learning rate, e.g. a scheduler not restored), or a global RNG state (torch,
+  CUDA, NumPy, Python) that differs from the first run's before the step.
 
 Standard library only (the records are read, no tensor is loaded).
 """
@@ -214,6 +215,12 @@ def align_resumed(
                 why = (
                     f"the batch of step {n} is not the one the first run read there: the loader did not "
                     "resume at its position (or its order or augmentation draws differ)"
+                )
+            elif found.key == _STEP_KEY and (found.name or "").startswith(("state:", "param:")):
+                why = (  # the gradients come first in the event: they were equal
+                    f"step {n} started from the same state with the same gradients, but its update "
+                    "differs: the learning rate or another optimizer setting is not the first run's (a "
+                    "learning-rate scheduler not restored?)"
                 )
             rng = _rng_explanation(
                 a_states[n] if n < len(a_states) else None, b_states[s] if s < len(b_states) else None, n

@@ -239,8 +239,8 @@ def assert_reproducible(
     a generated runner script imports and calls, so global state and process-start settings
     (``PYTHONHASHSEED``, the thread count) are as real as a script's; a lambda or a closure is a
     ``TypeError``. ``steps`` stops each run after that many training steps; ``vary`` changes a
-    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``, ``"world"``) or, for
-    a function, the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed
+    setting in the later runs (``"threads"``, ``"workers"``, ``"hashseed"``, ``"world"``,
+    ``"resume"``: killed after step ``resume_at`` and started again) or, for a function, the keyword arguments they call it with (``{"resume_at": 3}``: a run resumed
     midway must train the bits of one that was not); a list of them makes one check each.
     ``options`` are ``torchrepro check``'s: ``seed`` (0), ``mode`` (``"strict"``), ``no_seed``,
     ``threads``, ``nproc``, ``cpu_capability``, ``portable``, ``serial``, ``isolate``
