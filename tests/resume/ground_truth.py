@@ -131,6 +131,7 @@ def plain_resume(
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
     nproc: int | None = None,
+    reference: dict[str, torch.Tensor] | None = None,
 ) -> GroundTruth:
     """Run ``script args`` to its end in ``workdir/reference``; in ``workdir/resumed`` run it with
     ``RESUME_CRASH_AFTER=crash_after`` (it must die by SIGKILL), then again with ``resume_args``
@@ -140,13 +141,21 @@ def plain_resume(
     ``TORCHREPRO_*`` variable and ``RESUME_CRASH_AFTER`` except where set here. The reference
     runs at the same time as the other two (separate directories: they share nothing). ``nproc``:
     each run is ``torchrun --standalone --nproc_per_node nproc`` (every rank kills itself).
+    ``reference``: the ``final.pt`` of an uninterrupted run of the same training (another variant of
+    the script whose bug only touches saving and loading), instead of running one here.
     """
     if crash_after < 1:
         raise ValueError(f"crash_after counts optimizer steps from 1, got {crash_after}")
     base = _plain(env)
     with ThreadPoolExecutor(max_workers=1) as pool:
         running = pool.submit(
-            plain_run, script, args, workdir=workdir / "reference", env=base, timeout=timeout, nproc=nproc
+            (lambda *_, **__: reference) if reference is not None else plain_run,
+            script,
+            args,
+            workdir=workdir / "reference",
+            env=base,
+            timeout=timeout,
+            nproc=nproc,
         )
         resumed, start_step = _crash_and_restart(
             script,
