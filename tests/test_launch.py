@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -221,3 +222,46 @@ def test_a_signal_while_a_process_starts_is_delivered_once_its_handle_is_held(tm
         os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(100):  # delivered at once, not held
             time.sleep(0.01)
+
+
+def _gone(pid: int, seconds: float = 10) -> bool:
+    """Whether ``pid`` ended (or is a zombie waiting to be reaped) within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_the_script_dies_with_its_supervisor_even_when_only_the_supervisor_is_killed(
+    supervised: bool,
+) -> None:
+    # the supervisor SIGKILLed alone (a kill_tree that listed it before it had started the script):
+    # the script, armed with PR_SET_PDEATHSIG before its exec, dies too. The control: a plain parent
+    # SIGKILLed alone leaves its child running.
+    from torchrepro.launch import spawn
+
+    child = [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"]
+    if supervised:
+        proc = spawn(child, env=dict(os.environ), stdout=subprocess.PIPE, text=True)
+    else:
+        code = f"import subprocess, time; subprocess.Popen({child!r}); time.sleep(60)"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        (script,) = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _gone(script, seconds=10 if supervised else 2) is supervised
+    finally:
+        kill_tree(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(script, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()

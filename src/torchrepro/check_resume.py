@@ -17,6 +17,8 @@ Invariants:
   reached makes the check inconclusive (exit 3), never a pass.
 - Without isolation nothing can be restarted in its own files: the check is inconclusive with the
   reason (``CheckOptions`` refuses ``isolate=False`` with ``vary="resume"``).
+- Paths outside the working directory (which is all isolation covers) that the runs both wrote
+  are named in a note: a restart may have read another run's checkpoint there.
 - Every process started is ended on return, on an exception, on Ctrl-C and on SIGTERM; each run's
   records are ``run0`` (run 1), ``run<i>`` (killed at the i-th point) and ``run<i>-resumed``.
 """
@@ -36,7 +38,7 @@ from torchrepro.compare.alignment import RankCursor
 from torchrepro.compare.resume import ResumedRank, align_resumed
 from torchrepro.errors import ReproError
 from torchrepro.events import in_order
-from torchrepro.isolation import Layers
+from torchrepro.isolation import Layers, shared_writes
 from torchrepro.launch import run_settings, terminate_on_signals
 from torchrepro.options import CheckOptions
 from torchrepro.protocol import ChildSpec
@@ -196,6 +198,18 @@ def check_resume(
     finally:
         for run in all_runs:
             run.stop()
+    # run 1 and the killed runs ran together: paths outside the working directory that they both
+    # wrote (a checkpoint directory under /tmp) may have been read by a restart from another run
+    shared = shared_writes(
+        [run.record_dir for run in all_runs], [range(len(all_runs))], isolation=isolation, check_dir=check_dir
+    )
+    if shared:
+        shown = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+        notes.append(
+            f"the runs wrote the same path(s) outside the working directory {isolation.root}, which is "
+            f"all a check isolates: {shown}; a run may have read another's checkpoint there: give the "
+            "script's checkpoints a path inside the working directory (a relative one)"
+        )
     if failed is not None:
         return _failed(check_dir, failed, notes, isolation, varied)
     return _verdict(check_dir, first, points, base, notes, isolation, varied, ranks)
@@ -313,7 +327,8 @@ def _verdict(
     for point in points:
         for r in range(ranks):
             cursor = RankCursor(r, first.tails[r].events, point.killed.tails[r].events)
-            d = cursor.advance(a_done=True)
+            # a run that was never killed ran to its end: every event it lacks is a difference
+            d = cursor.advance(a_done=True, b_done=point.never_reached is not None)
             count(r, cursor.compared)
             if d is not None:
                 before.append((point.killed.index, d))

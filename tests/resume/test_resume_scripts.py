@@ -292,3 +292,25 @@ def test_with_steps_the_kill_defaults_to_the_middle_and_the_end_is_not_compared(
     assert code == 0 and verdict["reproducible"] is True
     assert verdict["resume"]["points"] == [{"killed_after": 4, "restored_at": 4, "steps_compared": 4}]
     assert any("the state at exit was not compared" in note for note in verdict["notes"])
+
+
+def test_a_checkpoint_outside_the_working_directory_is_named_not_certified(tmp_path: Path) -> None:
+    """Only the working directory is isolated: runs writing one checkpoint under /tmp read each
+    other's (the race decides how the runs go wrong); the check names the path and never passes."""
+    needs_isolation()
+    shared = tmp_path / "shared" / "ckpt.pt"  # outside the check's working directory, "work"
+    shared.parent.mkdir()
+    (tmp_path / "work").mkdir()
+    code, verdict, stderr = check_json(
+        tmp_path / "work",
+        "--vary",
+        "resume",
+        "--resume-at",
+        str(CRASH_AFTER),
+        str(HANDWRITTEN),
+        "--ckpt",
+        str(shared),
+    )
+    assert code != 0 and verdict["reproducible"] is not True, stderr
+    note = next(n for n in verdict["notes"] if "outside the working directory" in n)
+    assert str(shared) in note and "give the script's checkpoints a path inside the working directory" in note

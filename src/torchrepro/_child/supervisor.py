@@ -8,7 +8,9 @@ torchrepro, nothing it started outlives it. Invariants:
 - When the script ends, everything left below it is ended; the supervisor exits with the
   script's exit code, or 128+N when a signal N killed it.
 - When torchrepro dies (even by SIGKILL: ``PR_SET_PDEATHSIG``), or sends SIGTERM or SIGHUP, the
-  whole tree is stopped and killed at once, silently (no process gets to print a traceback).
+  whole tree is stopped and killed at once, silently (no process gets to print a traceback). The
+  script's process itself dies (SIGKILL, ``PR_SET_PDEATHSIG`` armed before its exec) when the
+  supervisor dies, however: a supervisor killed while it was starting the script leaves nothing.
 - SIGINT is left to the script (a Ctrl-C in a terminal reaches it directly, and it shows the
   user's own traceback); the supervisor itself ignores it.
 - With ``--overlay`` (``check``'s runs) it enters the run's write isolation (``_child.overlay``)
@@ -25,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from torchrepro._child.overlay import Overlay, OverlayError, enter
@@ -34,12 +37,34 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:  # pragma: no cover - no C library to load
+        return None
+
+
+_LIBC = _libc()  # loaded once, before any fork: the forked child only calls into it
+
+
 def _prctl(option: int, value: int) -> bool:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
-    except (OSError, AttributeError):  # not Linux
+        return bool(_LIBC.prctl(option, value, 0, 0, 0) == 0)
+    except AttributeError:  # not Linux
         return False
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """What the script's process runs between fork and exec: it gets SIGKILL when the supervisor
+    dies, however it dies (a supervisor killed by the parent's ``kill_tree`` while the script was
+    being started leaves no script behind); a supervisor already gone ends it at once."""
+
+    def arm() -> None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGKILL)
+
+    return arm
 
 
 def _end_tree() -> None:
@@ -106,7 +131,8 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, on_stop)
     try:
         try:
-            proc = subprocess.Popen(command)
+            # preexec_fn is safe here: the supervisor runs no other thread
+            proc = subprocess.Popen(command, preexec_fn=_die_with(os.getpid()))
         except OSError as exc:
             print(f"torchrepro: cannot start {command[0]!r}: {exc}", file=sys.stderr)
             return 2

@@ -1,6 +1,6 @@
 """A plain PyTorch training script with hand-written checkpoints, resumable after a SIGKILL.
 
-    python handwritten.py [--bug {none,rng,optimizer,nosave}] [--epochs 2]
+    python handwritten.py [--bug {none,rng,optimizer,nosave}] [--epochs 2] [--ckpt ckpt.pt]
 
 A tiny MLP with dropout (draws from the global torch RNG) trains with Adam (state that matters)
 on 48 generated samples, batch 8: 6 optimizer steps per epoch. Each epoch's order is a
@@ -39,6 +39,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bug", choices=("none", "rng", "optimizer", "nosave"), default="none")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--ckpt", default=CKPT, help="where the checkpoint goes (default: ckpt.pt here)")
     args = parser.parse_args()
     crash_after = int(os.environ.get("RESUME_CRASH_AFTER", "0"))
 
@@ -52,8 +53,8 @@ def main() -> int:
     criterion = nn.CrossEntropyLoss()
 
     step = 0
-    if os.path.exists(CKPT):
-        state = torch.load(CKPT, weights_only=True)
+    if os.path.exists(args.ckpt):
+        state = torch.load(args.ckpt, weights_only=True)
         model.load_state_dict(state["model"])
         if args.bug != "optimizer":
             optimizer.load_state_dict(state["optimizer"])
@@ -81,8 +82,8 @@ def main() -> int:
                 }
                 if args.bug != "rng":
                     state["rng"] = torch.get_rng_state()
-                torch.save(state, CKPT + ".tmp")
-                os.replace(CKPT + ".tmp", CKPT)
+                torch.save(state, args.ckpt + ".tmp")
+                os.replace(args.ckpt + ".tmp", args.ckpt)
             if step == crash_after:
                 os.kill(os.getpid(), signal.SIGKILL)
 
