@@ -223,13 +223,14 @@ def check_script(
     ]
     check_dir = runrecord.new_run_dir(runrecord.CHECKS_ROOT if opts.root is None else opts.root)
     isolation, layers = _isolation(check_dir, enabled=opts.isolate)
-    if opts.vary == "resume":
-        from torchrepro.check_resume import check_resume
+    repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
+    try:
+        if opts.vary == "resume":
+            from torchrepro.check_resume import check_resume
 
-        resume_command = build_command(
-            script, [*args, *opts.resume_args], module=module, nproc=opts.nproc, watch_writes=True
-        )
-        try:
+            resume_command = build_command(
+                script, [*args, *opts.resume_args], module=module, nproc=opts.nproc, watch_writes=True
+            )
             return check_resume(
                 check_dir,
                 commands[0],
@@ -243,11 +244,6 @@ def check_script(
                 progress=progress,
                 start_notes=[n for n in [nproc_note(opts.nproc), *portable_notes] if n],
             )
-        finally:
-            if layers is not None:
-                layers.close()
-    repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
-    try:
         return _check(
             check_dir,
             commands,

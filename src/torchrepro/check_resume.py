@@ -77,14 +77,19 @@ def _result(
     reproducible: bool | None,
     notes: list[str],
     isolation: Isolation,
+    steps_compared: int = 0,
+    first_divergence: Divergence | None = None,
     **values: object,
 ) -> CheckResult:
+    """The verdict (written to ``check_dir``); nothing compared unless said."""
     result = CheckResult(
         reproducible=reproducible,
         runs=2,
         check_dir=os.fspath(check_dir),
         notes=tuple(notes),
         isolation=isolation,
+        steps_compared=steps_compared,
+        first_divergence=first_divergence,
         **values,  # type: ignore[arg-type]
     )
     runrecord.write_verdict(check_dir, result.to_dict())
@@ -121,8 +126,6 @@ def check_resume(
             reproducible=None,
             notes=notes,
             isolation=isolation,
-            steps_compared=0,
-            first_divergence=None,
             reason=reason,
             varied=varied,
         )
@@ -172,8 +175,6 @@ def check_resume(
                         reproducible=None,
                         notes=notes,
                         isolation=isolation,
-                        steps_compared=0,
-                        first_divergence=None,
                         reason=reason,
                         varied=varied,
                     )
@@ -226,8 +227,6 @@ def _failed(check_dir: Path, failed: Run, notes: list[str], isolation: Isolation
         reproducible=None,
         notes=notes,
         isolation=isolation,
-        steps_compared=0,
-        first_divergence=None,
         error=f"{what} failed with exit code {failed.returncode}",
         returncode=failed.returncode,
         stderr_tail=failed.stderr_tail(),
@@ -459,8 +458,6 @@ def _verdict(
             reproducible=None,
             notes=notes,
             isolation=isolation,
-            steps_compared=0,
-            first_divergence=None,
             coverage=coverage,
             reason=f"killed after step {points[i].kill_after}: {problem}",
             varied=varied,
@@ -478,7 +475,6 @@ def _verdict(
         notes=notes,
         isolation=isolation,
         steps_compared=total,
-        first_divergence=None,
         coverage=coverage,
         varied=varied,
         resume=ResumeScope(tuple(resumed)),

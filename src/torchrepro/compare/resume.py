@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchrepro.compare.alignment import event_divergence
-from torchrepro.events import FINAL_KEY, describe_name, optimizer_key
+from torchrepro.events import FINAL_KEY, describe_name, is_step, optimizer_key
 from torchrepro.results import Divergence
 
-__all__ = ["ResumedRank", "align_resumed"]
+__all__ = ["ResumedRank", "align_resumed", "step_segments"]
 
 _STEP_KEY = optimizer_key(0)
 _RNG_NAMES = {
@@ -62,14 +62,16 @@ class ResumedRank:
     """Events compared per kind (``coverage``)."""
 
 
-def _segments(events: Sequence[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+def step_segments(
+    events: Sequence[dict[str, Any]],
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
     """The events of each step of the first optimizer (each ending with that step's event), and
     what came after the last step (the state at exit)."""
     segments: list[list[dict[str, Any]]] = []
     current: list[dict[str, Any]] = []
     for event in events:
         current.append(event)
-        if event["kind"] == "compute" and event["key"] == _STEP_KEY:
+        if is_step(event["kind"], event["key"]):
             segments.append(current)
             current = []
     return segments, current
@@ -139,8 +141,8 @@ def align_resumed(
     """Align the restarted run's rank ``rank`` (``b_*``) with the first run's (``a_*``; its states
     from ``runrecord.read_states``) killed after ``kill_after`` steps; see the module invariants.
     ``compare_final``: both ran to their end (no ``--steps``)."""
-    seg_a, tail_a = _segments(a_events)
-    seg_b, tail_b = _segments(b_events)
+    seg_a, tail_a = step_segments(a_events)
+    seg_b, tail_b = step_segments(b_events)
     first_b = next((s for s in b_states if "t" in s), None)
     first_a = next((s for s in a_states if "t" in s), None)
     if first_b is None or not seg_b:

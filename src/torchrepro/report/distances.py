@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
 from torchrepro.compare.differences import leaf_difference
+from torchrepro.compare.resume import step_segments
 from torchrepro.events import FINAL_KEY, describe_name, is_step, world_invariant
 from torchrepro.runrecord import RunRecord
 
@@ -161,17 +162,6 @@ def _rank_distances(
     return points, parted, final
 
 
-def _step_segments(
-    events: Sequence[dict[str, Any]],
-) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
-    segments: list[list[dict[str, Any]]] = [[]]
-    for event in events:
-        segments[-1].append(event)
-        if is_step(event["kind"], event["key"]):
-            segments.append([])
-    return segments[:-1], segments[-1]
-
-
 def _stitched(
     ea: Sequence[dict[str, Any]], eb: Sequence[dict[str, Any]], restored_at: int
 ) -> list[dict[str, Any]]:
@@ -179,8 +169,8 @@ def _stitched(
     first ``restored_at`` steps, then the restart's, each step's events matched with the first
     run's of step ``restored_at + s`` by kind, from the end (a restart may read extra batches
     before its first step), and numbered as those. Stops where a step has fewer events."""
-    seg_a, tail_a = _step_segments(ea)
-    seg_b, tail_b = _step_segments(eb)
+    seg_a, tail_a = step_segments(ea)
+    seg_b, tail_b = step_segments(eb)
     out = [e for seg in seg_a[:restored_at] for e in seg]
     for s, n in enumerate(range(restored_at, len(seg_a))):
         if s >= len(seg_b):
