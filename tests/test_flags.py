@@ -396,3 +396,36 @@ def test_the_status_table_names_each_setting_once_and_the_fix_of_each_shortfall(
     strict = str(status())
     assert strict.splitlines()[0].startswith("determinism: strict mode (deterministic)")
     assert "NO  deterministic_algorithms" not in strict
+
+
+def test_strict_mode_sets_fallback_random_without_importing_inductor() -> None:
+    """Compiled random ops draw as eager's under strict mode: Inductor's ``fallback_random`` is set
+    when its config is imported (set_determinism never imports it), recorded by ``capture`` before
+    and after the import, and ``off`` puts back Inductor's default."""
+    code = (
+        "import sys, torch, torchrepro\n"
+        "torchrepro.set_determinism('strict')\n"
+        "before = 'torch._inductor.config' in sys.modules\n"
+        "capture = torchrepro.DeterminismFlags.capture\n"
+        "waiting = capture().inductor_fallback_random\n"
+        "import torch._inductor.config as c\n"
+        "print(before, waiting, c.fallback_random, capture().inductor_fallback_random)\n"
+        "torchrepro.set_determinism('off')\n"
+        "print(c.fallback_random)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["False True True True", "False"]
+    # the control: plain PyTorch compiles with Inductor's own random numbers
+    stock = "import torch._inductor.config as c\nprint(c.fallback_random)"
+    control = subprocess.run([sys.executable, "-c", stock], capture_output=True, text=True, check=True)
+    assert control.stdout.strip() == "False"
+
+
+def test_fallback_random_is_restored_once_inductor_is_imported(saved: DeterminismFlags) -> None:
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = False
+    previous = set_determinism("strict")
+    assert inductor.fallback_random is True and DeterminismFlags.capture().inductor_fallback_random is True
+    previous.restore()
+    assert inductor.fallback_random is False

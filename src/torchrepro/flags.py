@@ -18,7 +18,10 @@ Modes (``set_determinism``):
   unset, and ``torch.utils.deterministic.fill_uninitialized_memory=True`` (PyTorch's default:
   uninitialised memory from ``torch.empty`` and friends is filled with NaN / the largest integer,
   so a read of it is the same in every run; measured ~1.16x (median) on a small CPU CNN training
-  step and ~2x on an allocation-bound loop, see ``benchmarks/fill_uninitialized_memory.py``).
+  step and ~2x on an allocation-bound loop, see ``benchmarks/fill_uninitialized_memory.py``), and
+  Inductor's ``fallback_random`` (a compiled graph draws its random numbers with eager's ops from
+  the global generator, so ``torch.compile`` keeps eager's dropout masks; set when Inductor's config
+  is imported, never importing it: ``_imports.when_imported``).
 - ``warn``: the same switches with ``warn_only=True``: ops with no deterministic kernel warn and
   still run nondeterministically.
 - ``off``: PyTorch's defaults (``CUBLAS_WORKSPACE_CONFIG`` is left as it is).
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchrepro import _runtime, seeding
 from torchrepro._compat import lazy_import
+from torchrepro._imports import when_imported
 from torchrepro.errors import DeterminismError, ReproWarning, warn_once
 from torchrepro.seeding import seed_everything, validate_seed
 
@@ -150,6 +154,9 @@ class DeterminismFlags:
     fill_uninitialized_memory: bool
     cublas_workspace_config: str | None
     flash_attention_deterministic: str | None = None
+    inductor_fallback_random: bool = False
+    """Inductor's ``fallback_random``: its config's value once imported; before that the value
+    waiting for the import (``set_determinism`` never imports Inductor), else its default, False."""
 
     @classmethod
     def capture(cls) -> DeterminismFlags:
@@ -166,6 +173,7 @@ class DeterminismFlags:
             fill_uninitialized_memory=_fill_uninitialized_memory(),
             cublas_workspace_config=os.environ.get(CUBLAS_VAR),
             flash_attention_deterministic=os.environ.get(FLASH_ATTENTION_VAR),
+            inductor_fallback_random=_inductor_fallback_random(),
         )
 
     def restore(self) -> None:
@@ -192,6 +200,7 @@ class DeterminismFlags:
             os.environ.pop(FLASH_ATTENTION_VAR, None)
         elif os.environ.get(FLASH_ATTENTION_VAR) != self.flash_attention_deterministic:
             os.environ[FLASH_ATTENTION_VAR] = self.flash_attention_deterministic
+        _set_inductor_fallback_random(self.inductor_fallback_random or None)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every switch (``fp32_precision`` as a ``{backend: value}`` dict)."""
@@ -216,6 +225,39 @@ def cublas_fix() -> str:
 
 
 _INDUCTOR_DETERMINISTIC = "TORCHINDUCTOR_DETERMINISTIC"
+_INDUCTOR_CONFIG = "torch._inductor.config"
+_fallback_random_waiting: bool | None = None
+"""The ``fallback_random`` to set when Inductor's config is imported (None: leave it)."""
+
+
+def _inductor_fallback_random() -> bool:
+    """Inductor's ``fallback_random`` when its config is imported, else the value waiting for it."""
+    config = sys.modules.get(_INDUCTOR_CONFIG)
+    if config is None:
+        return bool(_fallback_random_waiting)
+    return bool(getattr(config, "fallback_random", False))
+
+
+def _apply_fallback_random(config: Any) -> None:
+    if hasattr(config, "fallback_random"):  # None: Inductor's default, as it was before the import
+        config.fallback_random = bool(_fallback_random_waiting)
+
+
+def _set_inductor_fallback_random(value: bool | None) -> None:
+    """Set Inductor's ``fallback_random`` now if its config is imported, else when it is (importing
+    Inductor costs about a second of start-up, and a script that never compiles never needs it).
+    None: Inductor's default (False), and no value waits for the import."""
+    global _fallback_random_waiting, _fallback_hooked
+    _fallback_random_waiting = value
+    config = sys.modules.get(_INDUCTOR_CONFIG)
+    if config is not None:
+        _apply_fallback_random(config)
+    elif value is not None and not _fallback_hooked:
+        _fallback_hooked = True  # one hook applies whatever value waits when the import happens
+        when_imported(_INDUCTOR_CONFIG, _apply_fallback_random)
+
+
+_fallback_hooked = False
 
 
 def _use_deterministic_algorithms(mode: bool, *, warn_only: bool) -> None:
@@ -246,9 +288,10 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
     ``"strict"``: deterministic algorithms (ops with no deterministic kernel raise), cuDNN
     deterministic, no cuDNN benchmarking, no TF32, float32 matmul precision ``"highest"``,
     ``fill_uninitialized_memory`` on, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless a valid value
-    is already set, and ``FLASH_ATTENTION_DETERMINISTIC=1`` (the flash-attn package's backward,
-    through transformers). ``"warn"``: the same, warn-only. ``"off"``: PyTorch's defaults (both
-    variables left as they are).
+    is already set, ``FLASH_ATTENTION_DETERMINISTIC=1`` (the flash-attn package's backward,
+    through transformers), and Inductor's ``fallback_random`` (compiled random ops draw as eager's
+    do; applied when Inductor's config is imported). ``"warn"``: the same, warn-only. ``"off"``:
+    PyTorch's defaults (both variables left as they are).
 
     Raises ``DeterminismError`` in strict mode (warns in warn mode) when
     ``CUBLAS_WORKSPACE_CONFIG`` holds a value PyTorch does not accept, or is unset while CUDA has
@@ -286,6 +329,7 @@ def set_determinism(mode: str = "strict") -> DeterminismFlags:
         os.environ[CUBLAS_VAR] = set_cublas
     if mode != "off":
         os.environ[FLASH_ATTENTION_VAR] = "1"
+    _set_inductor_fallback_random(True if mode != "off" else None)
     return previous
 
 

@@ -202,6 +202,15 @@ def status() -> StatusReport:
             "set torch.utils.deterministic.fill_uninitialized_memory = True",
         )
     )
+    items.append(
+        _switch(
+            "inductor.fallback_random",
+            flags.inductor_fallback_random,
+            True,
+            _STRICT_FIX + " (or torch._inductor.config.fallback_random = True): torch.compile's random "
+            "ops then draw from the global generator as eager's do, so compiling keeps the dropout masks",
+        )
+    )
     cublas = flags.cublas_workspace_config
     items.append(
         StatusItem(

@@ -116,6 +116,7 @@ class ProbeSettings:
     shared_updates: tuple[Mapping[str, Any], ...] = ()
     switch_statements: tuple[Mapping[str, Any], ...] = ()
     processes: tuple[Mapping[str, Any], ...] = ()
+    inductor_fallback_random: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field, in declaration order (records as arrays of objects)."""

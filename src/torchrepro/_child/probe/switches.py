@@ -88,6 +88,7 @@ class SwitchWatcher:
             "cudnn_allow_tf32": flags.cudnn_allow_tf32,
             "cuda_matmul_allow_tf32": flags.cuda_matmul_allow_tf32,
             "float32_matmul_precision": flags.float32_matmul_precision,
+            "inductor_fallback_random": flags.inductor_fallback_random,
             "num_threads": torch.get_num_threads(),
             "set_num_threads_called": self.set_num_threads_called,
             "thread_env": {k: v for k, v in self.start_env.items() if k != HASH_SEED_VAR},
