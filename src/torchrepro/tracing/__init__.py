@@ -2,7 +2,8 @@
 
 Invariants:
 - This package is the only place that touches torch's dispatch internals (``TorchDispatchMode``,
-  the autograd node being executed, node metadata). Nothing else in torchrepro imports them.
+  the autograd node being executed, node metadata) and Inductor's (``compile_fx``, Dynamo's
+  graphs). Nothing else in torchrepro imports them.
 - Every aten op of forward and backward is attributed to a module path (dotted, without the root's
   name: ``layer2.drop``; an op in the root's own ``forward`` gets the root's class name) and to a
   ``file:line`` of user code: the first frame outside torch, torchrepro and the standard library,
@@ -20,8 +21,9 @@ Invariants:
   (``OpRecorder``: op names for the audit, no digests), ``tracer`` (digests,
   ``Tracer``, ``trace``), ``capture`` (one op call's inputs saved, in the child), ``repro``
   (``check --repro``: the standalone script, no torch), ``compare`` (reading and comparing trace
-  files, no torch). Submodules load lazily on first use of a public name: importing this package
-  imports none of them.
+  files, no torch), ``compiled`` (``check --vary compile``: compiled graph calls against eager runs
+  of the same graphs, where op tracing cannot see; its reader imports no torch). Submodules load
+  lazily on first use of a public name: importing this package imports none of them.
 """
 
 from __future__ import annotations
