@@ -15,6 +15,8 @@ from torchrepro.errors import SettingsError
 from torchrepro.flags import CUBLAS_CONFIGS, CUBLAS_VAR, MODES
 from torchrepro.portable import CBWR_DEFAULT, CBWR_VAR, portable_isa
 from torchrepro.protocol import (
+    COMPILE_CHOICES,
+    COMPILE_OFF_VARS,
     CPU_CAPABILITIES,
     CPU_CAPABILITY_VAR,
     ENV_PREFIX,
@@ -57,6 +59,9 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         portable=draw(st.booleans()),
         kill_at=draw(counts),
         resume_states=draw(st.booleans()),
+        compile=draw(st.none() | st.sampled_from(COMPILE_CHOICES)),
+        compile_cache=draw(st.none() | paths),
+        compile_probe=False if trace_step is None else draw(st.booleans()),
     )
 
 
@@ -90,6 +95,9 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "portable",
         "kill_at",
         "resume_states",
+        "compile",
+        "compile_cache",
+        "compile_probe",
     }
 
 
@@ -351,3 +359,23 @@ def test_python_hash_seed_is_pure_and_in_range(seed: int, keys: list[int | str])
     h = python_hash_seed(seed, *keys)
     assert h == python_hash_seed(seed, *keys)
     assert 0 <= h < 2**32
+
+
+def test_compile_eager_turns_compile_off_and_compiled_clears_the_users_switches() -> None:
+    user = {"PATH": "/bin", "TORCHDYNAMO_DISABLE": "1", "TORCH_COMPILE_DISABLE": "1"}
+    eager = ChildSpec(compile="eager").to_env(user)
+    assert eager["TORCH_COMPILE_DISABLE"] == "1" and "TORCHDYNAMO_DISABLE" not in eager
+    compiled = ChildSpec(compile="compiled", compile_cache="/c").to_env(user)
+    assert not set(COMPILE_OFF_VARS) & set(compiled)
+    assert compiled["TORCHINDUCTOR_CACHE_DIR"] == "/c" and compiled["TRITON_CACHE_DIR"] == "/c/triton"
+    # the control: without the field the user's switches pass through untouched
+    assert ChildSpec().to_env(user)["TORCHDYNAMO_DISABLE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [({"compile": "inductor"}, "compile must be one of"), ({"compile_probe": True}, "give trace_step")],
+)
+def test_compile_fields_are_validated(bad: dict[str, Any], says: str) -> None:
+    with pytest.raises(SettingsError, match=says):
+        ChildSpec(**bad)

@@ -38,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 from collections.abc import Callable, Sequence
@@ -68,8 +69,16 @@ from torchrepro.launch import (
 )
 from torchrepro.options import VARY_CHOICES, CheckOptions
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
-from torchrepro.protocol import ChildSpec, python_hash_seed
-from torchrepro.results import CheckResult, Coverage, Divergence, Isolation, WorldScope
+from torchrepro.protocol import INDUCTOR_CACHE_VAR, ChildSpec, python_hash_seed
+from torchrepro.results import (
+    CheckResult,
+    CompileScope,
+    Coverage,
+    Divergence,
+    Isolation,
+    StepGap,
+    WorldScope,
+)
 from torchrepro.tracing.locate import locate_in_traces
 from torchrepro.verdict import (
     FINAL_NOT_LOCATED,
@@ -87,6 +96,10 @@ __all__ = ["VARY_CHOICES", "CheckOptions", "CheckProgress", "CheckResult", "chec
 
 WORLD_DEFAULT_NPROC = 2
 """The processes of the later runs of ``--vary world`` when ``--nproc`` is not given."""
+
+COMPILE_STEPS_AFTER = 20
+"""``--vary compile``: the runs go on at least this many steps after they part, so the verdict (and
+the report's plot) gives the difference per step as it grows, not just where it starts."""
 
 LOCATE_ATTEMPTS = 3
 
@@ -106,6 +119,8 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
         return base.replace(threads=base.threads or 1)
     if vary == "resume":  # every run notes its states; check_resume kills and restarts the later ones
         return base.replace(resume_states=True)
+    if vary == "compile":  # the first run eager, the later ones as the script compiles
+        return base.replace(compile="eager" if index == 0 else "compiled")
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
 
 
@@ -129,7 +144,7 @@ def _args_text(args: Sequence[str], later_args: Sequence[str]) -> str:
 
 
 def _varied_text(vary: str | None, specs: Sequence[ChildSpec]) -> str | None:
-    """What ``--vary threads|hashseed`` changed, in words (``1 vs 2 threads``); workers: None
+    """What ``--vary threads|hashseed|compile`` changed, in words (``1 vs 2 threads``); workers: None
     (the runs' records say, ``check_runs.varied_workers``); world: ``WorldScope.varied``."""
     if vary == "threads":
         counts = [s.threads for s in specs]
@@ -137,6 +152,8 @@ def _varied_text(vary: str | None, specs: Sequence[ChildSpec]) -> str | None:
     if vary == "hashseed":
         seeds = list(dict.fromkeys(str(s.hash_seed) for s in specs))
         return f"PYTHONHASHSEED {seeds[0]} vs {', '.join(seeds[1:])}" if len(seeds) > 1 else None
+    if vary == "compile":
+        return "eager vs torch.compile"
     return None
 
 
@@ -307,6 +324,11 @@ def _check(
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
     world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
     specs = [_run_spec(base, vary, i, seed=options.seed) for i in range(runs)]
+    if vary == "compile":  # each compiled run starts with an empty Inductor cache of the check's own
+        specs = [
+            s.replace(compile_cache=os.fspath((check_dir / f"inductor{i}").resolve())) if i > 0 else s
+            for i, s in enumerate(specs)
+        ]
     all_runs = [
         make_run(i, check_dir / f"run{i}", commands[i], specs[i], ranks=nprocs[i] or 1, layers=layers)
         for i in range(runs)
@@ -344,7 +366,11 @@ def _check(
                 poll_interval=poll_interval,
                 serial=serial,
                 pair=same_rank if world is None else world_pair,
-                linger=options.steps_after_divergence,
+                linger=(
+                    max(options.steps_after_divergence, COMPILE_STEPS_AFTER)
+                    if vary == "compile"
+                    else options.steps_after_divergence
+                ),
             )
     finally:
         for run in all_runs:
@@ -382,12 +408,27 @@ def _check(
     covered = coverage(cursors, range(ranks))
     reason: str | None = None
     located_in: Path | None = None
+    graph: str | None = None  # --vary compile: the compiled graph located
     if first is not None and world is not None:  # op traces of different splits do not align
         reason = world_divergence_reason(world, first)
         notes.append(WORLD_NOT_LOCATED)
     elif first is not None and first.final_state:  # no recorded step differs: nothing to trace
         reason = final_state_reason(first, covered, unrecorded=bool(unranked))
         notes.append(FINAL_NOT_LOCATED)
+    elif first is not None and first.kind == "compute" and options.locate and vary == "compile":
+        if progress is not None:
+            progress(CheckProgress(phase="locating", steps=()))
+        with terminate_on_signals():
+            first, graph, locate_notes = _locate_compiled(
+                first,
+                check_dir,
+                commands[other],
+                specs[other],
+                ranks=ranks,
+                layers=layers,
+                poll_interval=poll_interval,
+            )
+        notes.extend(locate_notes)
     elif first is not None and first.kind == "compute" and options.locate:
         if progress is not None:
             progress(CheckProgress(phase="locating", steps=()))
@@ -443,6 +484,17 @@ def _check(
                 "inconclusive: --vary workers varied nothing (the script created no DataLoader), so "
                 "the runs were not loaded differently; the verdict would only repeat a plain check"
             )
+    compiled: CompileScope | None = None
+    if vary == "compile":
+        compiled = _compile_scope(all_runs, graph)
+        if compiled.compiles == 0:
+            notes.append(
+                "--vary compile varied nothing: the compiled run finished no compilation (the script "
+                "never calls torch.compile, or everything it compiled fell back to eager)"
+            )
+            if reproducible:
+                reproducible = None
+                reason = "--vary compile varied nothing: the script compiled nothing"
     if varied_args is not None:
         varied = varied_args if varied is None else f"{varied}; {varied_args}"
     compared = steps_compared(cursors)
@@ -468,9 +520,38 @@ def _check(
         portable=portable,
         world=world,
         repro=repro,
+        compile=compiled,
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
+
+
+def _compile_scope(all_runs: Sequence[Any], graph: str | None) -> CompileScope:
+    """What ``--vary compile`` compared: the compilations of the later runs, the switch they ran
+    with (run 2's environment record) and run 2's distance from eager at every compared step."""
+    from torchrepro.report.distances import record_series
+
+    eager, later = all_runs[0], all_runs[1]
+    compiles = sum(runrecord.compiled_count(run.record_dir) for run in all_runs[1:])
+    fallback_random = False
+    steps: tuple[StepGap, ...] = ()
+    try:
+        a, b = runrecord.load_run(eager.record_dir), runrecord.load_run(later.record_dir)
+        fallback_random = bool(((b.env or {}).get("determinism") or {}).get("inductor_fallback_random"))
+        series = record_series(a, b, label="compiled vs eager")
+        steps = tuple(
+            StepGap(p.step, p.differing, p.tensors, p.largest, exact=p.exact, nonfinite=p.nonfinite)
+            for p in series.points
+        )
+    except ReproError:
+        pass  # a run that recorded nothing: the verdict says so already
+    return CompileScope(
+        compiles=compiles,
+        fallback_random=fallback_random,
+        cache=later.env.get(INDUCTOR_CACHE_VAR),
+        steps=steps,
+        graph=graph,
+    )
 
 
 def _portable_values(env: dict[str, str]) -> dict[str, Any]:
@@ -560,6 +641,68 @@ def _locate(
         )
         notes.append(f"locating attempt {attempt + 1}: the traced re-runs {what}")
     return first, notes, None
+
+
+def _locate_compiled(
+    first: Divergence,
+    check_dir: Path,
+    command: list[str],
+    spec: ChildSpec,
+    *,
+    ranks: int,
+    layers: Layers | None,
+    poll_interval: float,
+) -> tuple[Divergence, str | None, list[str]]:
+    """``--vary compile``: re-run the compiled side to the divergent step with its compiled graphs
+    compared, call by call, against eager runs of the same graphs (``tracing.compiled``); fill the
+    op, module and line of the first node whose compiled value differs. Op tracing cannot do this:
+    compiled code dispatches no op one by one (and under a dispatch mode Dynamo runs eagerly).
+    Returns the divergence, the located graph in words (None: not located) and notes."""
+    from torchrepro.tracing.compiled import read_compiled_probe
+
+    k = first.step
+    base = check_dir / "locate-compiled"
+    probed = spec.replace(
+        max_steps=k + 1,
+        trace_step=k,
+        trace_out=os.fspath((base / "probe").resolve()),
+        trace_optimizer=optimizer_index(first.key),
+        compile_probe=True,
+    )
+    run = make_run(1, base / "run", command, probed, ranks=ranks, layers=layers)
+    try:
+        _, _, failed = watch([run], progress=None, poll_interval=poll_interval, stop_early=False)
+    except Exception as exc:
+        return first, None, [f"locating failed: {type(exc).__name__}: {exc}"]
+    finally:
+        run.stop()
+    if failed is not None:
+        return first, None, [f"locating: the probed re-run failed with exit code {failed.returncode}"]
+    ranks_order = [first.rank, *(r for r in range(ranks) if r != first.rank)]
+    for r in ranks_order:
+        try:
+            found = read_compiled_probe(runrecord.trace_path(base / "probe", r))
+        except ReproError as exc:
+            return first, None, [f"locating: {exc}"]
+        if found is None:
+            continue
+        notes = [f"locating: {note}" for note in found.notes]
+        if not found.found:
+            notes.append(
+                f"locating: at step {k} {found.describe()}; the difference comes from outside the "
+                "compiled graphs (a graph break's eager code, or an op Dynamo did not capture)"
+            )
+            return first, None, notes
+        if found.inductor_random:
+            ops = ", ".join(found.random_ops)
+            notes.append(
+                f"locating: Inductor draws its own random numbers in that graph ({ops}; fallback_random "
+                "was off): they never match eager's. Strict mode (the default) turns fallback_random on"
+            )
+        if found.node_found and found.phase == "forward":
+            first = dataclasses.replace(first, op=found.op, module=found.module, location=found.line)
+        return first, found.describe(), notes
+    return first, None, [f"locating: the probed re-run of step {k} wrote no graph comparison"]
 
 
 def _repro(

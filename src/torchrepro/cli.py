@@ -260,7 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
         "for training on a fixed global batch, e.g. with torchrepro.SeededLoader(global_batch_size=...) "
         "and torchrepro.InvariantDataParallel), resume (the later run is SIGKILLed after an optimizer "
         "step, --resume-at, and started again with the same command in the files it left, and must "
-        "end with the bits of the uninterrupted run: whether the script's own checkpoints resume exactly)",
+        "end with the bits of the uninterrupted run: whether the script's own checkpoints resume exactly), "
+        "compile (the first run eager, torch.compile turned off with TORCH_COMPILE_DISABLE=1, the "
+        "later runs compiled as the script compiles, each with an empty Inductor cache of the check's "
+        "own: whether compiling keeps eager's bits, where it first does not, and the largest "
+        "difference per step; strict mode sets Inductor's fallback_random so compiled random ops draw "
+        "as eager's do)",
     )
     p.add_argument(
         "--resume-at",

@@ -18,9 +18,10 @@ from torchrepro.errors import SettingsError
 
 __all__ = ["ASSERT_OPTIONS", "VARY_CHOICES", "CheckOptions"]
 
-VARY_CHOICES = ("workers", "threads", "hashseed", "world", "resume")
+VARY_CHOICES = ("workers", "threads", "hashseed", "world", "resume", "compile")
 """What ``--vary`` can change in later runs (``resume``: the later run is killed after a step and
-started again in the files it left, ``check_resume``)."""
+started again in the files it left, ``check_resume``; ``compile``: the first run eager, the later
+ones as the script compiles)."""
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ Invariants:
   created; ``from_env`` validates the same way, so a child never runs on a half-read spec.
 - ``to_env`` also sets the process-start variables only a launcher can set (``PYTHONHASHSEED``,
   ``CUBLAS_WORKSPACE_CONFIG``, the OMP/MKL thread counts, ``ATEN_CPU_CAPABILITY``, and with
-  ``portable`` ``MKL_CBWR``: ``portable.start_values``) and drops every ``TORCHREPRO_*`` variable of
-  the base environment, so the caller's own settings never leak in.
+  ``portable`` ``MKL_CBWR``: ``portable.start_values``; with ``compile``, ``torch.compile``'s
+  off-switches and Inductor's cache directory) and drops every ``TORCHREPRO_*`` variable of the base
+  environment, so the caller's own settings never leak in.
 - A recorded spec (and an audit's) puts ``SITE_DIR`` first on the child's ``PYTHONPATH``: every
   python the script starts itself is configured by ``_child.children`` (a ``PARENT_RANK_VAR``
   mark tells a child whether its ``RANK`` is its own or inherited).
@@ -29,10 +30,13 @@ from torchrepro.portable import CPU_CAPABILITIES, CPU_CAPABILITY_VAR, start_valu
 
 __all__ = [
     "BACKWARD_STEPS",
+    "COMPILE_CHOICES",
+    "COMPILE_OFF_VARS",
     "CPU_CAPABILITIES",
     "CPU_CAPABILITY_VAR",
     "ENV_PREFIX",
     "HASH_SEED_VAR",
+    "INDUCTOR_CACHE_VAR",
     "LOCATION_VARIABLES",
     "MKL_THREADS_VAR",
     "OMP_THREADS_VAR",
@@ -97,7 +101,20 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "portable": ("PORTABLE", "bool"),
     "kill_at": ("KILL_AT", "int"),
     "resume_states": ("RESUME_STATES", "bool"),
+    "compile": ("COMPILE", "str"),
+    "compile_cache": ("COMPILE_CACHE", "path"),
+    "compile_probe": ("COMPILE_PROBE", "bool"),
 }
+
+COMPILE_CHOICES = ("eager", "compiled")
+"""``ChildSpec.compile``: ``eager`` turns ``torch.compile`` off (``TORCH_COMPILE_DISABLE=1``: the
+compiled wrapper stays, so module and parameter names are the compiled run's, and runs eagerly);
+``compiled`` lets the script compile as it does (both off-switches removed from its environment)."""
+COMPILE_OFF_VARS = ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE")
+"""The variables that turn ``torch.compile`` off (Dynamo's config, and its ``optimize``)."""
+INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_CACHE_VAR = "TRITON_CACHE_DIR"
+"""Where Inductor (and Triton, on GPU) keep compiled kernels: ``compile_cache`` points both there."""
 
 LOCATION_VARIABLES = (
     *(ENV_PREFIX + var for var, kind in _VARIABLES.values() if kind == "path"),
@@ -154,6 +171,11 @@ class ChildSpec:
     notes ``runrecord.killpoint_path`` and waits for the check to kill the run (``check --vary
     resume``); ``resume_states``: note the RNG states before every step of the first optimizer,
     and the parameters and optimizer state before the first one (``runrecord.states_path``).
+    ``compile`` (``COMPILE_CHOICES``): run the script eager or compiled (``check --vary compile``),
+    ``compile_cache``: Inductor's cache directory (a check's own, so no run reads or writes the
+    user's), ``compile_probe``: with ``trace_step``, that step's compiled graphs are compared with
+    eager runs of the same graphs (``tracing.compiled``) instead of tracing ops, which compiled code
+    does not dispatch one by one.
     """
 
     seed: int | None = None
@@ -175,6 +197,9 @@ class ChildSpec:
     portable: bool = False
     kill_at: int | None = None
     resume_states: bool = False
+    compile: str | None = None
+    compile_cache: str | None = None
+    compile_probe: bool = False
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES
@@ -212,14 +237,27 @@ class ChildSpec:
             raise SettingsError("capture_op captures an op of the traced step: give trace_step too")
         if self.num_workers is not None and not re.fullmatch(r"other|[0-9]+", self.num_workers):
             raise SettingsError(f"num_workers must be 'other' or a count >= 0, got {self.num_workers!r}")
-        for flag in ("portable", "resume_states"):
+        if self.compile is not None and self.compile not in COMPILE_CHOICES:
+            raise SettingsError(f"compile must be one of {COMPILE_CHOICES}, got {self.compile!r}")
+        if self.compile_probe and self.trace_step is None:
+            raise SettingsError(
+                "compile_probe compares the compiled graphs of the traced step: give trace_step"
+            )
+        for flag in ("portable", "resume_states", "compile_probe"):
             if not isinstance(getattr(self, flag), bool):
                 raise SettingsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cpu_capability is not None and self.cpu_capability not in CPU_CAPABILITIES:
             raise SettingsError(
                 f"cpu_capability must be one of {CPU_CAPABILITIES}, got {self.cpu_capability!r}"
             )
-        for name in ("record_dir", "trace_out", "capture_out", "ops_out", "audit_settings_out"):
+        for name in (
+            "record_dir",
+            "trace_out",
+            "capture_out",
+            "ops_out",
+            "audit_settings_out",
+            "compile_cache",
+        ):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))
@@ -264,6 +302,14 @@ class ChildSpec:
             env[CPU_CAPABILITY_VAR] = self.cpu_capability
         if self.portable:
             env.update(start_values(env, cpu_capability=self.cpu_capability))
+        if self.compile is not None:
+            for var in COMPILE_OFF_VARS:
+                env.pop(var, None)
+            if self.compile == "eager":
+                env[COMPILE_OFF_VARS[0]] = "1"
+        if self.compile_cache is not None:
+            env[INDUCTOR_CACHE_VAR] = self.compile_cache
+            env[TRITON_CACHE_VAR] = os.path.join(self.compile_cache, "triton")
         if self.record_dir is not None or self.audit_settings_out is not None:
             entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITE_DIR]
             env["PYTHONPATH"] = os.pathsep.join([SITE_DIR, *entries])

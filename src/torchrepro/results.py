@@ -20,6 +20,7 @@ __all__ = [
     "WORLD_NOT_COMPARED",
     "CheckResult",
     "Comparison",
+    "CompileScope",
     "Coverage",
     "Divergence",
     "Isolation",
@@ -28,6 +29,7 @@ __all__ = [
     "ResumePoint",
     "ResumeScope",
     "SettingDifference",
+    "StepGap",
     "TensorDifference",
     "WorldScope",
     "processes",
@@ -225,6 +227,89 @@ class ResumeScope:
     def describe(self) -> str:
         """Every point in words, ``; `` between them."""
         return "; ".join(p.describe() for p in self.points)
+
+
+@dataclass(frozen=True)
+class StepGap:
+    """How far the compiled run is from eager at one step (``check --vary compile``): the largest
+    ``|a-b|`` among the recorded values of its differing tensors (None: none differs, or
+    ``nonfinite``), a lower bound unless ``exact`` (every value of each differing tensor recorded)."""
+
+    step: int
+    differing: int
+    tensors: int
+    largest: float | None
+    exact: bool = True
+    nonfinite: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "differing": self.differing,
+            "tensors": self.tensors,
+            "largest": self.largest,
+            "exact": self.exact,
+            "nonfinite": self.nonfinite,
+        }
+
+
+@dataclass(frozen=True)
+class CompileScope:
+    """What ``check --vary compile`` compared: run 1 eager (``torch.compile`` off), the later runs
+    compiled as the script compiles. ``compiles``: the compilations Dynamo finished in the compiled
+    run (0: it compiled nothing, and nothing was varied); ``fallback_random``: Inductor's switch in
+    the compiled run (strict mode sets it: compiled random ops draw as eager's do); ``cache``:
+    Inductor's cache directory the compiled run started with (the check's own, empty);
+    ``steps``: the distance per compared step, up to the end of the compared steps; ``graph``: the
+    compiled graph and node where the compiled forward first differs from eager, in words
+    (``tracing.compiled``), when it was located."""
+
+    compiles: int
+    fallback_random: bool
+    cache: str | None
+    steps: tuple[StepGap, ...] = ()
+    graph: str | None = None
+
+    @property
+    def largest(self) -> float | None:
+        """The largest difference over every compared step (None: no recorded value differs)."""
+        values = [g.largest for g in self.steps if g.largest is not None]
+        return max(values) if values else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``compile`` object of ``check --json``."""
+        return {
+            "eager_run": 1,
+            "compiles": self.compiles,
+            "fallback_random": self.fallback_random,
+            "cache": self.cache,
+            "largest": self.largest,
+            "steps": [g.to_dict() for g in self.steps],
+            "graph": self.graph,
+        }
+
+    def describe(self) -> str:
+        """What was compiled and how far apart it went, in one line."""
+        random = "on (compiled random ops draw as eager's)" if self.fallback_random else "off"
+        gaps = [g for g in self.steps if g.differing]
+        if not gaps:
+            far = f"every recorded value equal over {len(self.steps)} step(s)"
+        else:
+            shown = ", ".join(f"{g.step}: {_gap(g)}" for g in gaps[:6])
+            more = f", ... ({len(gaps)} steps differ)" if len(gaps) > 6 else ""
+            far = f"largest difference per step: {shown}{more}"
+        return (
+            f"compile: run 1 eager, the compiled run finished {self.compiles} compilation(s) "
+            f"(Inductor cache: the check's own, cold); fallback_random {random}; {far}"
+        )
+
+
+def _gap(g: StepGap) -> str:
+    if g.nonfinite:
+        return "non-finite"
+    if g.largest is None:
+        return "?"
+    return f"{g.largest:.3g}" + ("" if g.exact else "+")
 
 
 @dataclass(frozen=True)
@@ -471,6 +556,7 @@ class CheckResult:
     ``reason`` then says, for a divergence, why the runs part and what to do.
     ``repro`` is what ``repro=DIR`` wrote (None: nothing; the notes say why).
     ``resume`` (``--vary resume``) says where the run was killed and where its restart was aligned.
+    ``compile`` (``--vary compile``) says what was compiled and how far from eager each step went.
     """
 
     reproducible: bool | None
@@ -492,6 +578,7 @@ class CheckResult:
     world: WorldScope | None = None
     repro: Repro | None = None
     resume: ResumeScope | None = None
+    compile: CompileScope | None = None
 
     @property
     def outcome(self) -> Outcome:
@@ -525,6 +612,8 @@ class CheckResult:
             d["world"] = self.world.to_dict()
         if self.resume is not None:
             d["resume"] = self.resume.to_dict()
+        if self.compile is not None:
+            d["compile"] = self.compile.to_dict()
         if self.isolation is not None:
             d["isolation"] = self.isolation.to_dict()
             d["shared_writes"] = list(self.shared_writes)

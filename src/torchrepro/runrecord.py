@@ -69,6 +69,8 @@ __all__ = [
     "RunSettings",
     "capture_paths",
     "claim",
+    "compiled_count",
+    "compiled_path",
     "events_path",
     "killpoint_path",
     "killpoints",
@@ -90,6 +92,7 @@ __all__ = [
     "trace_path",
     "trace_prefix",
     "validate_event",
+    "write_compiled",
     "write_env",
     "write_run_files",
     "write_uncovered",
@@ -284,6 +287,34 @@ def read_states(run_dir: str | os.PathLike[str], rank: int) -> list[dict[str, An
             raise EnvFileError(f"cannot read {path}, line {number}: {problem}")
         states.append(state)
     return states
+
+
+def compiled_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
+    """How many graphs ``rank`` of a compiled run (``check --vary compile``) had Dynamo compile."""
+    return Path(run_dir) / f"compiled.rank{rank}.json"
+
+
+def write_compiled(run_dir: str | os.PathLike[str], rank: int, compiles: int) -> None:
+    """Note that ``rank`` has finished ``compiles`` compilations so far."""
+    atomic_write_json(compiled_path(run_dir, rank), {"compiles": compiles})
+
+
+def compiled_count(run_dir: str | os.PathLike[str]) -> int:
+    """The compilations every rank of ``run_dir`` noted, together (0: none noted, or unreadable)."""
+    total = 0
+    try:
+        paths = sorted(Path(run_dir).glob("compiled.rank*.json"))
+    except OSError:
+        return 0
+    for path in paths:
+        try:
+            data = read_json(path)
+        except EnvFileError:
+            continue
+        count = data.get("compiles") if isinstance(data, dict) else None
+        if type(count) is int and count > 0:
+            total += count
+    return total
 
 
 def killpoint_path(run_dir: str | os.PathLike[str], rank: int) -> Path:

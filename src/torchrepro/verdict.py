@@ -172,6 +172,10 @@ def describe_check(result: CheckResult) -> list[str]:
         lines.append(f"  portable: {describe_portable(result.portable)}")
     if result.world is not None:
         lines.append(f"  {result.world.describe()}")
+    if result.compile is not None:
+        if result.compile.graph is not None:
+            lines.append(f"  located in a compiled graph: {result.compile.graph}")
+        lines.append(f"  {result.compile.describe()}")
     if result.isolation is not None:
         lines.append(f"  isolation: {describe_isolation(result.isolation)}")
     return lines

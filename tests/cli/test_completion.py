@@ -61,7 +61,7 @@ def test_the_bash_script_parses(bash_script: Path) -> None:
     [
         ("torchrepro ch", ["check"]),
         ("torchrepro check --va", ["--vary"]),
-        ("torchrepro check --vary ", ["workers", "threads", "hashseed", "world", "resume"]),
+        ("torchrepro check --vary ", ["workers", "threads", "hashseed", "world", "resume", "compile"]),
         ("torchrepro completion ", ["bash", "zsh", "tcsh"]),
     ],
 )

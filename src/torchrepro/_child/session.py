@@ -15,7 +15,9 @@ Invariants:
   script no optimizer sees, as the (N+1)-th ``backward()`` starts, after the N-th update), events
   flushed (``MaxStepsReached``); at exit a ``final`` event holds the state of every module the
   script's globals hold; the tracing package is imported only when the spec asks for a trace or
-  an op record.
+  an op record. With ``compile_probe`` the traced step is not op-traced: its compiled graph calls
+  are compared with eager runs of the same graphs (``tracing.compiled``, installed at configure,
+  before the script compiles anything).
 - A configured process reaches the interpreter's exit only once torch's gloo worker threads are
   idle (``_child.teardown``, installed at ``configure``): its finalization, which closes the files
   the script left open, runs as for plain python.
@@ -24,6 +26,9 @@ Invariants:
   waits for the check to SIGKILL its run (a crash at a moment the check chose, on every rank);
   ``resume_states`` notes the RNG states before every such step and the parameters and optimizer
   state before a process's first (``runrecord.states_path``): what a restarted run is aligned by.
+- ``compile="compiled"`` (``check --vary compile``): each compilation Dynamo finishes is counted in
+  ``runrecord.compiled_path`` (hooked when Dynamo is imported, never importing it), so a run that
+  compiled nothing is told from one that did.
 - A process forked from a configured one inherits its hooks but records nothing (the recorder
   stays silent there) and never traces; when it trains (an optimizer step, a ``backward()`` step)
   it leaves one ``uncovered`` note, so a check says the training ran unrecorded.
@@ -48,6 +53,7 @@ from torchrepro._child.hooks import install_hooks, install_world_hook, worker_ma
 from torchrepro._child.probe import SettingsProbe, install_probe
 from torchrepro._child.rankclaim import RankClaim
 from torchrepro._child.training import BackwardSteps
+from torchrepro._imports import when_imported
 from torchrepro._io import atomic_write_json
 from torchrepro._runtime import env_rank
 from torchrepro.events import FINAL_KEY
@@ -73,6 +79,7 @@ class Session:
         self.spec = spec
         self.trace_out = spec.trace_out  # None once tracing turned out to be unavailable
         self.tracer: Any = None
+        self.compiled_probe: Any = None  # spec.compile_probe: compiled graphs against eager, not ops
         self.ops_recorder: Any = None
         self.recorder: Recorder | None = None
         self.steps: dict[int, int] = {}
@@ -86,6 +93,9 @@ class Session:
             self.recorder = Recorder(None, claim=self.claim.open, **kwargs)
             if main and (env_rank() or 0) == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
                 _write_env(spec.record_dir, script)
+        self.compiles = 0
+        if spec.compile == "compiled" and spec.record_dir and main:
+            when_imported("torch._dynamo", self._watch_compiles)  # never imports Dynamo itself
 
     @property
     def rank(self) -> int | None:
@@ -93,6 +103,23 @@ class Session:
         if self.claim is not None and self.claim.rank is not None:
             return self.claim.rank
         return (env_rank() or 0) if self.main else None
+
+    def _watch_compiles(self, dynamo: Any) -> None:
+        """Count the compilations Dynamo finishes in this process (``check --vary compile`` tells a
+        run that compiled from one that only imported Dynamo)."""
+        import torch._dynamo.callback as callback
+
+        callback.callback_handler.register_end_callback(self._compiled)
+
+    def _compiled(self, *args: Any) -> None:
+        rank = self.rank
+        if os.getpid() != self.pid or rank is None or not self.spec.record_dir:
+            return
+        self.compiles += 1
+        try:
+            runrecord.write_compiled(self.spec.record_dir, rank, self.compiles)
+        except OSError as exc:
+            print(f"torchrepro: could not note a compilation: {exc}", file=sys.stderr)
 
     def on_join(self, rank: int, world_size: int) -> None:
         if self.spec.record_dir:
@@ -102,10 +129,29 @@ class Session:
                 print(f"torchrepro: could not note rank {rank} of {world_size}: {exc}", file=sys.stderr)
 
     # --- tracing (spec.trace_step / spec.ops_out) ---
+    def install_compiled_probe(self) -> None:
+        """``compile_probe``: keep every graph Inductor compiles from now on, to compare the traced
+        step's calls with eager runs of the same graphs (``tracing.compiled``)."""
+        if not self.spec.compile_probe or self.trace_out is None or not self.main:
+            return
+        try:
+            from torchrepro.tracing.compiled import CompiledProbe
+
+            probe = CompiledProbe(runrecord.trace_path(self.trace_out, env_rank() or 0))
+            probe.install()
+            self.compiled_probe = probe
+        except Exception as exc:  # locating is best effort: never break the run
+            print(f"torchrepro bootstrap: the compiled-graph probe is unavailable: {exc}", file=sys.stderr)
+
     def _start_tracer(self) -> None:
         rank = self.rank
         if self.tracer is not None or self.trace_out is None or rank is None or os.getpid() != self.pid:
             return  # a forked process must not write the trace of the process it was forked from
+        if self.compiled_probe is not None:
+            self.tracer = self.compiled_probe  # started once; stop() writes its file
+            self.compiled_probe = None
+            self.tracer.start()
+            return
         try:
             from torchrepro.tracing import Tracer
 
@@ -389,6 +435,7 @@ def configure(spec: ChildSpec, script: str | None, *, main: bool = True) -> Sess
     if spec.record_dir:
         install_world_hook(session.on_join)
     session.start_ops()
+    session.install_compiled_probe()
     if spec.trace_step == 0 and spec.trace_optimizer == BACKWARD_STEPS:
         session._start_tracer()  # step 0 of training no optimizer sees: from the script's start
     return session
