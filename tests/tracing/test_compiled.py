@@ -362,3 +362,77 @@ def test_the_reader_imports_no_torch() -> None:
     code = "import sys, torchrepro.tracing.compiled; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------------------------
+# no random op: the bisection pins Inductor's arithmetic
+# --------------------------------------------------------------------------------------------
+
+
+class NormNet(nn.Module):
+    """No random op; Inductor's fused GELU and layer norm round differently from eager's kernels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(nn.functional.gelu(self.lin(x)))  # norm-call
+        return self.head(h)
+
+
+@dataclass
+class Bisected:
+    found: CompiledLocation | None
+    differs: bool  # the control: the compiled forward is not eager's
+    steps: list[str]  # the ops of the forward in order
+    alone: list[bool]  # per op: the forward up to it, compiled alone, equals eager's
+
+
+@pytest.fixture(scope="module")
+def bisected(inductor: None, tmp_path_factory: pytest.TempPathFactory) -> Bisected:
+    path = tmp_path_factory.mktemp("bisect") / "probe.json"
+    torch._dynamo.reset()
+    probe = CompiledProbe(path)
+    probe.install()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = NormNet()
+            compiled = torch.compile(model)
+            x = torch.randn(4, 12, 32)
+            compiled(x).sum().backward()  # the compile
+            probe.start()
+            out = compiled(x)
+            out.sum().backward()
+            probe.stop()
+    finally:
+        probe.remove()
+        torch._dynamo.reset()
+    prefixes = {
+        "torch.nn.functional.linear": lambda t: model.lin(t),
+        "torch.nn.functional.gelu": lambda t: nn.functional.gelu(model.lin(t)),
+        "torch.nn.functional.layer_norm": lambda t: model.norm(nn.functional.gelu(model.lin(t))),
+    }
+    with torch.no_grad():
+        differs = not torch.equal(out, model(x))
+        alone = [torch.equal(torch.compile(f)(x), f(x)) for f in prefixes.values()]
+    torch._dynamo.reset()
+    return Bisected(read_compiled_probe(path), differs, list(prefixes), alone)
+
+
+@pytest.mark.slow
+def test_the_bisection_names_the_first_op_whose_compiled_value_differs(bisected: Bisected) -> None:
+    """A forward that differs without randomness is bisected to one node: the op named is one whose
+    compiled value really differs from eager's when compiled alone from the same input (the ground
+    truth, outside the probe), and no op before it does."""
+    found = bisected.found
+    assert bisected.differs  # the control: compiling changes this forward
+    assert found is not None and found.found and found.phase == "forward" and found.node_found
+    assert found.random_ops == () and found.largest is not None and found.largest > 0
+    assert found.line == _line("norm-call")
+    assert found.op in bisected.steps, found
+    named = bisected.steps.index(found.op)
+    assert bisected.alone[:named] == [True] * named and bisected.alone[named] is False, (found, bisected)

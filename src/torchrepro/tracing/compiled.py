@@ -21,7 +21,10 @@ Invariants:
   At the first call whose outputs differ, prefixes of its graph (the nodes up to ``n``, returning
   ``n`` only) are compiled with Inductor (the graph's config patches and ``fallback_random``, under
   ``no_grad``) and run from the call's inputs and RNG state, as are their eager twins; a binary
-  search over the nodes whose value is a tensor names the first whose compiled value differs.
+  search over the nodes whose value is a tensor names the first whose compiled value differs. With
+  ``fallback_random`` off the graph's first random node is tried first (Inductor's own random
+  numbers are the usual cause): when its prefix differs and the one before it does not, it is named
+  after two compiles.
 - When every forward output matched, the backward is compared by a hook on the compiled outputs'
   autograd node against ``torch.autograd.grad`` of the eager shadow; it names the graph and the
   input whose gradient the backward computes first among those that differ, never an op.
@@ -797,20 +800,22 @@ class CompiledProbe:
                 results[i] = self._prefix_difference(graph, candidates[i], pristine, rng)
             return results[i] is not None
 
-        if not candidates or not differs(len(candidates) - 1):
+        lo = self._first_random(graph, candidates, differs)
+        if lo is None and (not candidates or not differs(len(candidates) - 1)):
             self._note(
                 f"graph {graph.index}: no prefix of the graph differs from eager (the difference "
                 "shows only in the whole graph: fusion across the prefixes' ends); the graph is "
                 "named, not an op"
             )
             return {}
-        lo, hi = 0, len(candidates) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if differs(mid):
-                hi = mid
-            else:
-                lo = mid + 1
+        if lo is None:
+            lo, hi = 0, len(candidates) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if differs(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
         node = candidates[lo]
         while (
             node.target is operator.getitem
@@ -827,6 +832,21 @@ class CompiledProbe:
             "largest": _finite(results[lo]),
             "node_found": True,
         }
+
+    @staticmethod
+    def _first_random(
+        graph: CompiledGraph, candidates: list[Node], differs: Callable[[int], bool]
+    ) -> int | None:
+        """The index of the graph's first random node when Inductor draws its own numbers there
+        (``fallback_random`` off) and it is the first node that differs: its prefix differs and the
+        prefix before it does not (two compiles instead of the bisection's ``log2`` of the nodes).
+        None: not so, or no such node; the bisection decides (it re-uses what was compiled here)."""
+        if graph.patches.get("fallback_random"):
+            return None
+        first = next((i for i, n in enumerate(candidates) if _random_op(n) is not None), None)
+        if first is None or not differs(first) or (first > 0 and differs(first - 1)):
+            return None
+        return first
 
     def _prefix_difference(
         self, graph: CompiledGraph, node: Node, pristine: list[Any], rng: tuple[Any, Any]
