@@ -145,7 +145,7 @@ def test_two_rank_run_where_only_rank_1_diverges_names_rank_1(
 # Locating with DataLoader workers, in a plain loop and under Lightning: stable over repeats
 
 HAS_LIGHTNING = importlib.util.find_spec("lightning") is not None
-REPEATS = 3
+REPEATS = 2
 # (script, num_workers) -> how many times it is checked. Only with workers: without them no
 # worker timing is involved (the cases above locate without workers; budget: < 60 s on 2 cores).
 LOADER_CASES: dict[tuple[str, int], int] = {

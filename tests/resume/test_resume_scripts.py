@@ -312,5 +312,7 @@ def test_a_checkpoint_outside_the_working_directory_is_named_not_certified(tmp_p
         str(shared),
     )
     assert code != 0 and verdict["reproducible"] is not True, stderr
-    note = next(n for n in verdict["notes"] if "outside the working directory" in n)
+    notes = [n for n in verdict["notes"] if "outside the working directory" in n]
+    assert notes, (verdict, stderr)
+    note = notes[0]
     assert str(shared) in note and "give the script's checkpoints a path inside the working directory" in note
