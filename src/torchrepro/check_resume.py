@@ -201,15 +201,18 @@ def check_resume(
             run.stop()
     # run 1 and the killed runs ran together: paths outside the working directory that they both
     # wrote (a checkpoint directory under /tmp) may have been read by a restart from another run
-    shared = shared_writes(
-        [run.record_dir for run in all_runs], [range(len(all_runs))], isolation=isolation, check_dir=check_dir
+    records = [run.record_dir for run in all_runs]
+    shared = shared_writes(records, [range(len(all_runs))], isolation=isolation, check_dir=check_dir)
+    written = shared or shared_writes(  # one run's checkpoint there may have been read by another
+        records, [range(len(all_runs))], isolation=isolation, check_dir=check_dir, least=1
     )
-    if shared:
-        shown = ", ".join(shared[:3]) + (f" and {len(shared) - 3} more" if len(shared) > 3 else "")
+    if written:
+        shown = ", ".join(written[:3]) + (f" and {len(written) - 3} more" if len(written) > 3 else "")
+        who = "the runs wrote the same path(s)" if shared else "a run wrote path(s)"
         notes.append(
-            f"the runs wrote the same path(s) outside the working directory {isolation.root}, which is "
-            f"all a check isolates: {shown}; a run may have read another's checkpoint there: give the "
-            "script's checkpoints a path inside the working directory (a relative one)"
+            f"{who} outside the working directory {isolation.root}, which is all a check isolates: "
+            f"{shown}; a run may have read another's checkpoint there: give the script's checkpoints "
+            "a path inside the working directory (a relative one)"
         )
     if failed is not None:
         return _failed(check_dir, failed, notes, isolation, varied)

@@ -184,25 +184,27 @@ def shared_writes(
     *,
     isolation: Isolation,
     check_dir: Path,
+    least: int = 2,
 ) -> list[str]:
-    """The paths at least two runs that ran at the same time (each group of ``together``, indices
-    into ``records``) both wrote, outside what isolation kept apart, sorted."""
+    """The paths at least ``least`` runs that ran at the same time (each group of ``together``,
+    indices into ``records``) wrote, outside what isolation kept apart, sorted (``least=1``: the
+    paths any of them wrote there, which the others may have read)."""
     check = os.path.realpath(check_dir)
     isolated = isolation.mode == "overlay"
     mounts = submounts(isolation.root) if isolated else []
     writes = [read_writes(r) for r in records]
     shared: set[str] = set()
     for group in together:
-        seen: set[str] = set()
+        seen: dict[str, int] = {}
         for i in group:
-            for path in writes[i]:
+            for path in set(writes[i]):
                 if below(path, check) or _ignored(path):
                     continue
                 if isolated and below(path, isolation.root) and not any(below(path, m) for m in mounts):
                     continue
-                if path in seen:
+                seen[path] = seen.get(path, 0) + 1
+                if seen[path] >= least:
                     shared.add(path)
-                seen.add(path)
     return sorted(shared)
 
 
