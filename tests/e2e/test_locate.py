@@ -244,11 +244,12 @@ def test_ops_of_torch_data_loading_are_left_out_of_the_aligned_op_stream(tmp_pat
     assert divergence is not None and divergence.structural
 
 
-def test_invariant_data_parallel_rank_1_source_is_found_through_its_send_and_recv(
+def test_invariant_data_parallel_rank_1_source_is_found_through_the_reductions_all_to_all(
     verdicts: dict[str, tuple[int, dict[str, Any], str]],
 ) -> None:
-    # on 3 ranks, rank 0's first differing op is the recv of rank 1's partial sum (the tracer must
-    # not wait on a send/recv work handle the caller waits on too: gloo completes it once, so that hung)
+    # on 3 ranks, rank 0's first differing op is the all-to-all bringing it rank 1's chunk (a
+    # collective, so the source is looked for on the other ranks; its output buffer is empty memory
+    # it only writes, which the tracer once took for uninitialised data and left uncompared)
     first = _divergence(verdicts, "idp_rank1")
     script = SCRIPTS / "idp_rank1.py"
     assert (first["step"], first["rank"], first["op"]) == (0, 1, "aten.mul.Tensor"), first

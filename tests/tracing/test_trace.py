@@ -462,14 +462,19 @@ with trace(f"{sys.argv[1]}.rank{rank}"):
         received = torch.empty(4)
         dist.recv(received, src=1)
         received.mul(2)
+    gathered = torch.empty(4)  # all-to-all into uninitialised memory: written whole, then compared
+    dist.all_to_all_single(gathered, torch.arange(4.0) + 10 * rank)
+    gathered.neg()
 dist.destroy_process_group()
 """
 
 
 @pytest.mark.slow
-def test_send_and_recv_are_traced_without_waiting_twice(tmp_path: Path) -> None:
+def test_send_recv_and_all_to_all_are_traced_without_waiting_twice(tmp_path: Path) -> None:
     # gloo completes a send/recv work handle once per wait: a tracer waiting before the caller did
-    # left both ranks blocked for ever; the received tensor is digested when the next op reads it
+    # left both ranks blocked for ever; the received tensor is digested when the next op reads it.
+    # An all-to-all's output buffer is only written: the empty buffer it fills is not read, and what
+    # it received is digested (taken as uninitialised, a difference a rank received was invisible)
     import subprocess
 
     from helpers import user_env
@@ -498,3 +503,10 @@ def test_send_and_recv_are_traced_without_waiting_twice(tmp_path: Path) -> None:
     recv_inputs, recv_outputs = ops(docs[0])["c10d.recv_.default"]
     assert recv_inputs[0] == "overwritten"  # received whole: not read from the empty buffer
     assert recv_outputs[-1] == sent == ops(docs[0])["aten.mul.Tensor"][0][0]
+    from torchrepro.hashing import exact_digest
+
+    for rank, doc in enumerate(docs):
+        a2a_inputs, a2a_outputs = ops(doc)["c10d.alltoall_base_.default"]
+        expected = torch.tensor([0.0, 1.0, 10.0, 11.0]) + 2 * rank  # chunk `rank` of both ranks
+        assert a2a_inputs[0] == "overwritten"
+        assert a2a_outputs[0] == exact_digest(expected) == ops(doc)["aten.neg.default"][0][0]

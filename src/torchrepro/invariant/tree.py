@@ -8,15 +8,14 @@ Invariants:
 - Rank ``r`` of ``W`` holds the leaves of its block ``[r*A, (r+1)*A)``. The block splits into the
   few maximal canonical nodes inside it (``pieces``); a rank sums them from its leaves as they
   arrive (``Accumulator``: a stack, at most ``ceil(log2(V)) + 2`` partial sums at once).
-- The nodes above the pieces (those spanning ranks) are evaluated by a reduce along the tree:
-  a node's value is computed by the rank owning its first leaf, which receives its right
-  child's value from the rank owning that child's first leaf (``schedule``: the same list, in
-  post-order, on every rank; each step involves two ranks, and every rank takes its steps in
-  that one order, so the point-to-point exchanges cannot deadlock). Rank 0 ends with the root
-  and broadcasts it. A rank sends each of its pieces at most once and receives at most one
-  value per tree level: bandwidth per rank is a few gradient copies, not the ``W`` copies an
-  all-gather of every piece would cost. With two ranks each holds one child of the root: they
-  exchange them (one all-gather) and both add, one transfer instead of a send and a broadcast.
+- The nodes above the pieces (those spanning ranks) are evaluated chunk by chunk: every rank
+  sends chunk ``j`` of each of its pieces to rank ``j`` (one all-to-all), rank ``j`` evaluates
+  every node above the pieces for chunk ``j`` in ``schedule``'s order (post-order, each node
+  ``left + right``: elementwise, so a chunk of a node is the node's chunk, whoever computes it),
+  and a second all-to-all sends each rank's chunk of the root to every rank. Per rank that is
+  about ``2(W-1)/W`` gradients sent and as many received, like a ring all-reduce, in two
+  collectives every rank runs at once (``reduce_pieces``); the buffers they move are kept between
+  calls (``_workspace``).
 - Pure index arithmetic lives here; only ``reduce_pieces`` talks to ``torch.distributed``.
 """
 
@@ -141,38 +140,89 @@ def _parents(v: int) -> dict[Node, int]:
     return out
 
 
+def chunks(n: int, w: int) -> list[tuple[int, int]]:
+    """The element range of each of ``w`` ranks in a flat tensor of ``n`` elements: ``ceil(n/w)``
+    each, the last ones shorter (or empty when ``n < w``)."""
+    c = -(-n // w)
+    return [(min(j * c, n), min((j + 1) * c, n)) for j in range(w)]
+
+
+_WORKSPACES: dict[tuple[str, Any, Any, int], Any] = {}
+_MAX_WORKSPACES = 8
+
+
+def _workspace(name: str, like: Any, size: int) -> Any:
+    """A flat buffer of ``size`` elements like ``like``, kept between calls: a fresh buffer of a
+    gradient's size costs a page fault per page at its first touch (measured: an all-to-all into a
+    fresh 50 MB tensor took 3x as long as into a reused one)."""
+    key = (name, like.dtype, like.device, size)
+    buffer = _WORKSPACES.pop(key, None)
+    if buffer is None:
+        buffer = like.new_zeros(size)  # not new_empty: the op tracer takes a copy into a slice of
+        # uninitialised memory as leaving the rest uninitialised, and would not compare what it moves
+        while len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.pop(next(iter(_WORKSPACES)))
+    _WORKSPACES[key] = buffer  # most recently used last
+    return buffer
+
+
 def reduce_pieces(mine: dict[Node, Any], v: int, w: int, rank: int, group: Any = None) -> Any:
     """The root of the tree, on every rank, from each rank's pieces (flat tensors of one shape).
 
-    Walks ``schedule(v, w)``: the right child's owner sends it to the left child's owner, which
-    adds it in place; rank 0 then broadcasts the root. ``mine`` is consumed.
+    Bandwidth-optimal, like a ring all-reduce, in two all-to-alls every rank runs at once: the
+    first sends chunk ``j`` (``chunks``) of each piece to rank ``j``; rank ``j`` evaluates the nodes
+    above the pieces for its chunk in ``schedule``'s order (``left.add_(right)``, elementwise, so a
+    chunk's bits are the whole node's); the second sends each rank's chunk of the root to every
+    rank (an all-gather; gloo runs an all-to-all of the same bytes faster than its own gather).
+    Per rank, with one piece each (``V/W`` a power of two), about ``2(W-1)/W`` gradients are sent,
+    not the ``log2(W)`` copies rank 0 received one after another along the tree. The root is
+    written into one of ``mine``'s tensors (returned); ``mine`` is consumed.
     """
     if w == 1:
         (root,) = mine.values()
         return root
     import torch.distributed as dist
 
-    if w == 2:  # each rank holds one child of the root: exchange them, both add (one transfer)
-        (value,) = mine.values()
-        halves = [value.new_empty(value.shape) for _ in range(2)]
-        dist.all_gather(halves, value, group=group)
-        return halves[0].add_(halves[1])
-    values = dict(mine)
-    template = next(iter(values.values()))
-    for node, left_owner, right_owner in schedule(v, w):
+    own = [mine.pop(node) for node in pieces(blocks(v, w)[rank], v)]
+    root = own[0]
+    n = root.numel()
+    parts = chunks(n, w)
+    sizes = [hi - lo for lo, hi in parts]
+    counts = [len(pieces(block, v)) for block in blocks(v, w)]  # pieces per rank, known to all
+    send = _workspace("send", root, max(len(own) * n, w * sizes[rank]))  # both all-to-alls' inputs
+    at = 0
+    for lo, hi in parts:  # for rank j: chunk j of each of this rank's pieces, left to right
+        for piece in own:
+            send[at : at + hi - lo].copy_(piece.view(-1)[lo:hi])
+            at += hi - lo
+    received = _workspace("received", root, sum(counts) * sizes[rank])
+    dist.all_to_all_single(
+        received,
+        send[: len(own) * n],
+        output_split_sizes=[k * sizes[rank] for k in counts],
+        input_split_sizes=[len(own) * size for size in sizes],
+        group=group,
+    )
+    values: dict[Node, Any] = {}
+    at = 0
+    for block in blocks(v, w):  # rank r's pieces, left to right: the order each rank sent them in
+        for node in pieces(block, v):
+            values[node] = received[at : at + sizes[rank]]
+            at += sizes[rank]
+    for node, _, _ in schedule(v, w):
         left, right = children(node)
-        if left_owner == right_owner:
-            if rank == left_owner:
-                values[node] = values.pop(left).add_(values.pop(right))
-            continue
-        if rank == right_owner:
-            dist.send(values.pop(right), dst=_global(left_owner, group), group=group)
-        elif rank == left_owner:
-            buffer = template.new_empty(template.shape)
-            dist.recv(buffer, src=_global(right_owner, group), group=group)
-            values[node] = values.pop(left).add_(buffer)
-    root = values.pop((0, v)) if rank == 0 else template
-    dist.broadcast(root, src=_global(0, group), group=group)
+        values[node] = values.pop(left).add_(values.pop(right))
+    mine_root = values.pop((0, v))
+    for j in range(w):  # this rank's chunk of the root, once for every rank
+        send[j * sizes[rank] : (j + 1) * sizes[rank]].copy_(mine_root)
+    flat = root.view(-1)
+    dist.all_to_all_single(
+        flat,
+        send[: w * sizes[rank]],
+        output_split_sizes=sizes,
+        input_split_sizes=[sizes[rank]] * w,
+        group=group,
+    )
     return root
 
 

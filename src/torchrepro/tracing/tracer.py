@@ -82,6 +82,13 @@ _FULL_WRITE_OPS: Final = frozenset(
         "aten::cauchy_",
         "c10d::recv_",  # the tensors received into
         "c10d::recv_any_source_",
+        "c10d::alltoall_base_",  # collectives whose first argument is only written: their output
+        "c10d::alltoall_",
+        "c10d::_allgather_base_",
+        "c10d::allgather_",
+        "c10d::allgather_into_tensor_coalesced_",
+        "c10d::_reduce_scatter_base_",
+        "c10d::reduce_scatter_",
     }
 )
 # Point-to-point ops: their work handle must be waited on once, by the caller (see the invariants).

@@ -1,7 +1,6 @@
 """3-rank InvariantDataParallel on gloo (6 micro-batches a global batch, 2 per rank) where only
 rank 1 scales its activations by a process-dependent factor: rank 0 sees the difference first in
-what it receives from rank 1 (the tree's send/recv, which 3 ranks use), so the source must be
-found on rank 1."""
+what it receives from rank 1 (the reduction's all-to-all), so the source must be found on rank 1."""
 
 import os
 
