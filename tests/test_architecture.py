@@ -220,6 +220,7 @@ CLI_LAZY = {
     "torchrepro.env",
     "torchrepro.flags",
     "torchrepro.launch",
+    "torchrepro.nodes",
     "torchrepro.runrecord",
     "torchrepro.report",
     "torchrepro.seeding",

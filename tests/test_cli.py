@@ -32,7 +32,9 @@ from torchrepro.runrecord import events_path, write_env
             ["run", "t.py"],
             {"seed": 0, "mode": "strict", "threads": None, "cpu_capability": None, "nproc": None}
             | {"portable": False, "record": None, "overwrite": False, "trace_step": None, "json": False}
-            | {"module": None, "script": "t.py", "args": []},
+            | {"module": None, "script": "t.py", "args": []}
+            | {"nnodes": None, "node_rank": None, "rdzv_endpoint": None, "rdzv_backend": "c10d"}
+            | {"rdzv_id": "torchrepro", "join_timeout": 300},
         ),
         (
             ["check", "t.py"],

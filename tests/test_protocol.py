@@ -62,6 +62,7 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         compile=draw(st.none() | st.sampled_from(COMPILE_CHOICES)),
         compile_cache=draw(st.none() | paths),
         compile_probe=False if trace_step is None else draw(st.booleans()),
+        nnodes=draw(counts),
     )
 
 
@@ -98,6 +99,7 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "compile",
         "compile_cache",
         "compile_probe",
+        "nnodes",
     }
 
 

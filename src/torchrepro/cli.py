@@ -131,6 +131,89 @@ def _add_portable(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_nodes(p: argparse.ArgumentParser) -> None:
+    """torchrun's multi-node flags, spelled and meaning what they mean there (``nodes``)."""
+    from torchrepro.nodes import BACKENDS, DEFAULT_RDZV_ID, JOIN_TIMEOUT
+
+    g = p.add_argument_group(
+        "several nodes",
+        "give the same flags on every node (but --node-rank); see docs/nodes.md",
+    )
+    g.add_argument(
+        "--nnodes",
+        metavar="N",
+        default=None,
+        help="the run's ranks span N nodes, --nproc on each (elastic MIN:MAX is refused)",
+    )
+    g.add_argument(
+        "--node-rank",
+        metavar="R",
+        type=_integer(0, "a node rank"),
+        default=None,
+        help="this node's rank, 0 to N-1 (needed with --rdzv-backend static; c10d numbers the nodes "
+        "as they join, so global rank 0 may be on any node)",
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        default=None,
+        help="where the nodes meet: a host every node reaches and a free port, the same on every node",
+    )
+    g.add_argument(
+        "--rdzv-backend",
+        choices=BACKENDS,
+        default="c10d",
+        help="torchrun's rendezvous backend (default c10d)",
+    )
+    g.add_argument(
+        "--rdzv-id",
+        metavar="ID",
+        default=DEFAULT_RDZV_ID,
+        help=f"the job's id, the same on every node (default {DEFAULT_RDZV_ID})",
+    )
+    g.add_argument(
+        "--join-timeout",
+        metavar="S",
+        type=_integer(1, "a number of seconds"),
+        default=JOIN_TIMEOUT,
+        help=f"seconds the nodes have to join; a node that never comes ends the run on the others "
+        f"(default {JOIN_TIMEOUT})",
+    )
+
+
+def _nodes(args: argparse.Namespace) -> Any:
+    """The ``nodes.Nodes`` the flags give (None: one node); ``SettingsError`` for bad flags."""
+    from torchrepro.errors import SettingsError
+    from torchrepro.nodes import DEFAULT_RDZV_ID, JOIN_TIMEOUT, Nodes, parse_nnodes
+
+    if args.nnodes is None:
+        given = [
+            flag
+            for flag, value, default in (
+                ("--node-rank", args.node_rank, None),
+                ("--rdzv-endpoint", args.rdzv_endpoint, None),
+                ("--rdzv-backend", args.rdzv_backend, "c10d"),
+                ("--rdzv-id", args.rdzv_id, DEFAULT_RDZV_ID),
+                ("--join-timeout", args.join_timeout, JOIN_TIMEOUT),
+            )
+            if value != default
+        ]
+        if given:
+            verb = "goes" if len(given) == 1 else "go"
+            raise SettingsError(
+                f"{', '.join(given)} {verb} with --nnodes N (the number of nodes the run spans)"
+            )
+        return None
+    return Nodes(
+        nnodes=parse_nnodes(args.nnodes),
+        endpoint=args.rdzv_endpoint,
+        node_rank=args.node_rank,
+        backend=args.rdzv_backend,
+        rdzv_id=args.rdzv_id,
+        join_timeout=args.join_timeout,
+    )
+
+
 def _step_list(text: str) -> tuple[int, ...]:
     """``--resume-at``: optimizer step counts >= 1, separated by commas (``2,5``)."""
     parse = _integer(1, "optimizer step counts separated by commas")
@@ -193,7 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
     _add_cpu_capability(p)
     _add_portable(p)
-    p.add_argument("--nproc", type=nproc_type, default=None, help="launch N ranks through torchrun")
+    p.add_argument(
+        "--nproc", type=nproc_type, default=None, help="launch N ranks through torchrun (on each node)"
+    )
+    _add_nodes(p)
     p.add_argument(
         "--record",
         metavar="DIR",
@@ -453,6 +539,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         cpu_capability=args.cpu_capability,
         portable=args.portable,
         nproc=args.nproc,
+        nodes=_nodes(args),
         record_dir=args.record,
         overwrite=args.overwrite,
         trace_step=args.trace_step,

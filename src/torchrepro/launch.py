@@ -39,6 +39,7 @@ from torchrepro._proc import descendants, exit_code, kill_tree
 from torchrepro._runtime import cuda_started
 from torchrepro.errors import LaunchError, SettingsError
 from torchrepro.flags import CUBLAS_VAR, MODES, cublas_start_value
+from torchrepro.nodes import Nodes
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR, disable_onednn, start_values
 from torchrepro.portable import notes as portable_notes
 from torchrepro.protocol import (
@@ -106,20 +107,26 @@ def build_command(
     module: str | None = None,
     nproc: int | None = None,
     watch_writes: bool = False,
+    nodes: Nodes | None = None,
 ) -> list[str]:
     """The argv that runs ``script`` (or ``-m module``) under the bootstrap, via torchrun if ``nproc``.
 
     ``watch_writes``: every rank notes the paths it writes in its record (``_child.writes``; a check).
+    ``nodes``: this node's part of a run spanning nodes (torchrun's rendezvous flags instead of
+    ``--standalone``; ``nproc`` ranks on this node, default 1).
     """
     if (script is None) == (module is None):
         raise LaunchError("give exactly one of a script path or -m MODULE")
     target = ["-m", module] if module is not None else ["--", os.fspath(script or "")]
     entry = _WRITES if watch_writes else _BOOTSTRAP
+    if nodes is not None and nproc is None:
+        nproc = 1
     if nproc is None:
         return [sys.executable, "-m", entry, *target, *args]
     if nproc < 1:
         raise SettingsError(f"--nproc must be >= 1, got {nproc}")
-    torchrun = [sys.executable, "-m", _TORCHRUN, "--standalone", f"--nproc-per-node={nproc}"]
+    where = ["--standalone"] if nodes is None else nodes.torchrun_args()
+    torchrun = [sys.executable, "-m", _TORCHRUN, *where, f"--nproc-per-node={nproc}"]
     return [*torchrun, "-m", entry, *target, *args]
 
 
@@ -189,6 +196,7 @@ def run_settings(
     nproc: int | None,
     vary: str | None = None,
     run: int | None = None,
+    nodes: Nodes | None = None,
 ) -> runrecord.RunSettings:
     """The ``settings.json`` of a run started from ``spec`` with the environment ``env``."""
     return runrecord.RunSettings(
@@ -209,6 +217,8 @@ def run_settings(
         portable=spec.portable,
         MKL_CBWR=env.get(CBWR_VAR),
         ATEN_CPU_CAPABILITY=env.get(CPU_CAPABILITY_VAR),
+        nnodes=None if nodes is None else nodes.nnodes,
+        node_rank=None if nodes is None else nodes.node_rank,
     )
 
 
@@ -327,6 +337,7 @@ def launch(
     trace_step: int | None = None,
     cpu_capability: str | None = None,
     portable: bool = False,
+    nodes: Nodes | None = None,
 ) -> RunResult:
     """Run a script to completion under the bootstrap with stdio inherited; return its exit code.
 
@@ -337,7 +348,9 @@ def launch(
     ``portable`` starts it in portable mode (``torchrepro.portable``: results independent of the
     thread count and the CPU, as far as measured), recorded in its settings. ``record_dir`` must
     be new or empty unless ``overwrite`` (then its record files are replaced). Ctrl-C and SIGTERM
-    end the whole process tree; so does this process's death.
+    end the whole process tree; so does this process's death. ``nodes``: this node's part of a run
+    spanning nodes (``nodes.Nodes``; started with the same settings on every node): at the end
+    every rank's records are in the record of the node holding global rank 0 (``_child.ship``).
     """
     # validated before anything is created: a bad setting leaves no directory behind
     spec = ChildSpec(
@@ -348,9 +361,12 @@ def launch(
         trace_step=trace_step,
         trace_out=None if trace_step is None else "",  # the record's path, filled in below
         portable=portable,
+        nnodes=None if nodes is None else nodes.nnodes,
     )
     check_target(script, module, args)
-    command = build_command(script, args, module=module, nproc=nproc)  # validates nproc
+    command = build_command(script, args, module=module, nproc=nproc, nodes=nodes)  # validates nproc
+    if nodes is not None and nproc is None:
+        nproc = 1
     notes = tuple(n for n in [nproc_note(nproc), *start_notes(spec)] if n)
     run_dir = Path(record_dir) if record_dir is not None else runrecord.new_run_dir()
     with runrecord.claim(run_dir, overwrite=overwrite):
@@ -360,7 +376,7 @@ def launch(
         )
         env = spec.to_env()
         runrecord.write_run_files(
-            run_dir, command, run_settings(spec, env, script=script, module=module, nproc=nproc)
+            run_dir, command, run_settings(spec, env, script=script, module=module, nproc=nproc, nodes=nodes)
         )
         # torchrun and its ranks get a session of their own: a Ctrl-C reaches only this process,
         # which ends them all quietly (otherwise every rank and the agent print tracebacks).
@@ -379,7 +395,31 @@ def launch(
             kill_tree(proc.pid)
             proc.wait()
             raise
+    if nodes is not None and nodes.nnodes > 1:
+        notes = (*notes, nodes_note(run_dir))
     return RunResult(returncode=returncode, record_dir=os.fspath(run_dir), notes=notes)
+
+
+def nodes_note(run_dir: str | os.PathLike[str]) -> str:
+    """Where a multi-node run's records are, said on the node whose record is ``run_dir``."""
+    ranks = sorted(runrecord.ranks_present(run_dir))
+    if runrecord.events_path(run_dir, 0).exists():
+        nodes = sorted({node for node, _ in runrecord.read_nodes(run_dir).values()})
+        return (
+            f"this node held global rank 0: its record holds ranks {_span(ranks)} of "
+            f"{len(nodes) or 1} node(s)"
+        )
+    if not ranks:
+        return "no rank of this node joined a process group or recorded anything"
+    return "global rank 0 ran on another node: this node's ranks sent their records to that node's record"
+
+
+def _span(ranks: Sequence[int]) -> str:
+    return (
+        f"0-{ranks[-1]}"
+        if ranks == list(range(len(ranks))) and len(ranks) > 1
+        else ", ".join(map(str, ranks))
+    )
 
 
 def start_notes(spec: ChildSpec, base: Mapping[str, str] | None = None) -> list[str]:

@@ -104,6 +104,7 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "compile": ("COMPILE", "str"),
     "compile_cache": ("COMPILE_CACHE", "path"),
     "compile_probe": ("COMPILE_PROBE", "bool"),
+    "nnodes": ("NNODES", "int"),
 }
 
 COMPILE_CHOICES = ("eager", "compiled")
@@ -175,7 +176,9 @@ class ChildSpec:
     ``compile_cache``: Inductor's cache directory (a check's own, so no run reads or writes the
     user's), ``compile_probe``: with ``trace_step``, that step's compiled graphs are compared with
     eager runs of the same graphs (``tracing.compiled``) instead of tracing ops, which compiled code
-    does not dispatch one by one.
+    does not dispatch one by one. ``nnodes``: the run's ranks span that many nodes (``nodes``); at
+    exit every rank ships its record files to the node holding global rank 0 (``_child.ship``),
+    and each node's local rank 0 records the node's environment (``runrecord.node_env_path``).
     """
 
     seed: int | None = None
@@ -200,6 +203,7 @@ class ChildSpec:
     compile: str | None = None
     compile_cache: str | None = None
     compile_probe: bool = False
+    nnodes: int | None = None
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES
@@ -218,6 +222,7 @@ class ChildSpec:
         _count("record_values", self.record_values, 0, "a number of values")
         _count("max_steps", self.max_steps, 1, "a number of optimizer steps")
         _count("kill_at", self.kill_at, 1, "a number of optimizer steps")
+        _count("nnodes", self.nnodes, 1, "a number of nodes")
         _count("trace_step", self.trace_step, 0, "an optimizer step index (0 is the first step)")
         _count(
             "trace_optimizer", self.trace_optimizer, BACKWARD_STEPS, "an optimizer index (-1: backward steps)"

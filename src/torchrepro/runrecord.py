@@ -124,6 +124,7 @@ _EVENTS_RE = re.compile(r"^events\.rank(\d+)\.jsonl$")
 _TRACE_RE = re.compile(r"^" + re.escape(TRACE_PREFIX) + r"(\d+)\.rank(\d+)$")
 _OPS_GLOB = "*.rank*.json"
 _WORLD_RE = re.compile(r"^world\.rank(\d+)\.json$")
+_NODE_ENV_RE = re.compile(r"^env\.node(\d+)\.json$")
 _UNCOVERED_RE = re.compile(r"^uncovered\.pid(\d+)\.json$")
 _KILLPOINT_RE = re.compile(r"^killpoint\.rank(\d+)\.json$")
 
@@ -204,9 +205,66 @@ def read_varied(run_dir: str | os.PathLike[str], rank: int) -> list[tuple[int, i
     return [(c[0], c[1]) for c in data]
 
 
-def write_world(run_dir: str | os.PathLike[str], rank: int, world_size: int) -> None:
-    """Note that ``rank`` joined a process group of ``world_size`` ranks (``world.rank<R>.json``)."""
-    atomic_write_json(Path(run_dir) / f"world.rank{rank}.json", {"rank": rank, "world_size": world_size})
+def write_world(
+    run_dir: str | os.PathLike[str],
+    rank: int,
+    world_size: int,
+    *,
+    node: int | None = None,
+    host: str | None = None,
+) -> None:
+    """Note that ``rank`` joined a process group of ``world_size`` ranks (``world.rank<R>.json``),
+    on node ``node`` (torchrun's ``GROUP_RANK``) of host ``host`` when the run spans nodes."""
+    note: dict[str, Any] = {"rank": rank, "world_size": world_size}
+    if node is not None:
+        note.update(node=node, host=host)
+    atomic_write_json(Path(run_dir) / f"world.rank{rank}.json", note)
+
+
+def read_nodes(run_dir: str | os.PathLike[str]) -> dict[int, tuple[int, str]]:
+    """``{rank: (node, host)}`` of the ranks whose world note names a node (a multi-node run)."""
+    found: dict[int, tuple[int, str]] = {}
+    try:
+        names = [p.name for p in Path(run_dir).iterdir()]
+    except OSError:
+        return found
+    for name in names:
+        m = _WORLD_RE.match(name)
+        if not m:
+            continue
+        try:
+            data = read_json(Path(run_dir) / name)
+        except EnvFileError:
+            continue
+        node = data.get("node") if isinstance(data, dict) else None
+        if type(node) is int and node >= 0:
+            found[int(m.group(1))] = (node, str(data.get("host") or "?"))
+    return found
+
+
+def node_env_path(run_dir: str | os.PathLike[str], node: int) -> Path:
+    """The environment of node ``node`` of a multi-node run (written by its local rank 0)."""
+    return Path(run_dir) / f"env.node{node}.json"
+
+
+def read_node_envs(run_dir: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """``{node: environment}`` of every node environment in ``run_dir`` (unreadable ones skipped)."""
+    found: dict[int, dict[str, Any]] = {}
+    try:
+        names = [p.name for p in Path(run_dir).iterdir()]
+    except OSError:
+        return found
+    for name in names:
+        m = _NODE_ENV_RE.match(name)
+        if not m:
+            continue
+        try:
+            data = read_json(Path(run_dir) / name)
+        except EnvFileError:
+            continue
+        if isinstance(data, dict):
+            found[int(m.group(1))] = data
+    return dict(sorted(found.items()))
 
 
 def read_world(run_dir: str | os.PathLike[str]) -> dict[int, int]:
@@ -422,7 +480,7 @@ def _by_pid(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
 
 def _is_record_file(name: str) -> bool:
     fixed = (COMMAND_FILE, SETTINGS_FILE, ENV_FILE, VERDICT_FILE, STDOUT_FILE, STDERR_FILE)
-    patterns = (_EVENTS_RE, _TRACE_RE, _WORLD_RE, _UNCOVERED_RE)
+    patterns = (_EVENTS_RE, _TRACE_RE, _WORLD_RE, _UNCOVERED_RE, _NODE_ENV_RE)
     return name in fixed or any(p.match(name) for p in patterns)
 
 
@@ -486,7 +544,8 @@ class RunSettings:
     ``trace_step``/``trace_optimizer`` say which step's ops were traced into the record;
     ``PYTHONHASHSEED``/``OMP_NUM_THREADS`` are the values the child was started with.
     ``portable``: started in portable mode (``torchrepro.portable``: oneDNN off in the child), with
-    ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` as the child's environment held them.
+    ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` as the child's environment held them. ``nnodes``: the
+    ranks spanned that many nodes (``nproc`` per node), ``node_rank``: this node's ``--node-rank``.
     """
 
     seed: int | None = None
@@ -506,6 +565,8 @@ class RunSettings:
     portable: bool | None = None
     MKL_CBWR: str | None = None
     ATEN_CPU_CAPABILITY: str | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON."""

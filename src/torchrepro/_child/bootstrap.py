@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
+    session.ship(failed=code != 0)
     return int(code)
 
 

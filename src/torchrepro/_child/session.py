@@ -39,9 +39,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,8 +93,15 @@ class Session:
             kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
             self.claim = RankClaim(spec.record_dir, main=main)
             self.recorder = Recorder(None, claim=self.claim.open, **kwargs)
-            if main and (env_rank() or 0) == 0 and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-                _write_env(spec.record_dir, script)
+            local_zero = main and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
+            node = _node() if spec.nnodes else None
+            if local_zero and ((env_rank() or 0) == 0 or node is not None):
+                _write_env(spec.record_dir, script, node=node, rank_zero=(env_rank() or 0) == 0)
+        if self.ships:
+            from torchrepro._child.ship import post_token
+
+            assert spec.record_dir is not None
+            post_token(spec.record_dir)
         self.compiles = 0
         if spec.compile == "compiled" and spec.record_dir and main:
             when_imported("torch._dynamo", self._watch_compiles)  # never imports Dynamo itself
@@ -124,7 +133,9 @@ class Session:
     def on_join(self, rank: int, world_size: int) -> None:
         if self.spec.record_dir:
             try:
-                runrecord.write_world(self.spec.record_dir, rank, world_size)
+                node = _node() if self.spec.nnodes else None
+                host = socket.gethostname() if node is not None else None
+                runrecord.write_world(self.spec.record_dir, rank, world_size, node=node, host=host)
             except (OSError, TypeError, ValueError) as exc:
                 print(f"torchrepro: could not note rank {rank} of {world_size}: {exc}", file=sys.stderr)
 
@@ -336,6 +347,26 @@ class Session:
             self.claim.touch()
         self._save_varied()
 
+    @property
+    def ships(self) -> bool:
+        """Whether this process's records travel to the node of rank 0 at its end (``_child.ship``)."""
+        return self.main and bool(self.spec.record_dir) and (self.spec.nnodes or 1) > 1
+
+    def ship(self, *, failed: bool) -> None:
+        """After ``close``: send this rank's records to the node of global rank 0 (rank 0: receive
+        every rank's); ``failed``: the script failed here (wait less for peers)."""
+        if not self.ships:
+            return
+        from torchrepro._child.ship import ship_records
+        from torchrepro._io import wait_pending
+
+        assert self.spec.record_dir is not None
+        try:
+            wait_pending(self.spec.record_dir)  # every record file published before it travels
+        except OSError as exc:
+            print(f"torchrepro: a record file was not written: {exc}", file=sys.stderr)
+        ship_records(self.spec.record_dir, failed=failed)
+
 
 _KILL_WAIT = 600.0
 """Seconds a process at its kill point waits for the check to kill it (then it ends itself)."""
@@ -376,17 +407,31 @@ def _record_final_state(recorder: Recorder) -> None:
         print(f"torchrepro bootstrap: recording the final state failed: {exc}", file=sys.stderr)
 
 
-def _write_env(record_dir: str, script: str | None) -> None:
+def _node() -> int | None:
+    """This process's node in a multi-node run (torchrun's ``GROUP_RANK``); None: not known."""
+    text = os.environ.get("GROUP_RANK", "")
+    return int(text) if text.isdigit() else None
+
+
+def _write_env(
+    record_dir: str, script: str | None, *, node: int | None = None, rank_zero: bool = True
+) -> None:
+    """The run's ``env.json`` (``rank_zero``: the process of global rank 0) and, in a multi-node
+    run, this node's ``env.node<N>.json`` (its local rank 0), collected once."""
     try:
         from torchrepro.env import collect_env
 
         env = collect_env(script=script).to_dict()
     except Exception as exc:  # the record stays useful without it
         env = {"error": f"collect_env failed: {type(exc).__name__}: {exc}"}
-    try:
-        runrecord.write_env(record_dir, env)
-    except (OSError, TypeError, ValueError) as exc:
-        print(f"torchrepro bootstrap: could not write {runrecord.ENV_FILE}: {exc}", file=sys.stderr)
+    paths = [Path(record_dir) / runrecord.ENV_FILE] if rank_zero else []
+    if node is not None:
+        paths.append(runrecord.node_env_path(record_dir, node))
+    for path in paths:
+        try:
+            atomic_write_json(path, env)
+        except (OSError, TypeError, ValueError) as exc:
+            print(f"torchrepro bootstrap: could not write {path.name}: {exc}", file=sys.stderr)
 
 
 def _configure(spec: ChildSpec) -> None:

@@ -21,6 +21,7 @@ from torchrepro.compare.differences import tensor_difference
 from torchrepro.compare.settings import (
     env_difference_dict,
     environment_differences,
+    node_notes,
     setting_differences,
     unrecorded_notes,
     varied_threads,
@@ -97,6 +98,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
     elif first is not None and first.kind == "compute":
         first, locate_notes = _locate_recorded(first, a, b, varied=varied_threads(started))
         notes += locate_notes
+    notes += node_notes(a, b, None if first is None else first.rank)
     reproducible: bool | None = first is None
     inconclusive = None if first is not None else inconclusive_verdict(covered, world, bool(unrecorded))
     if inconclusive is not None:

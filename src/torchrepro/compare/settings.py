@@ -24,6 +24,8 @@ from torchrepro.runrecord import (
     ENV_FILE,
     RunRecord,
     read_json,
+    read_node_envs,
+    read_nodes,
     read_uncovered,
 )
 
@@ -32,6 +34,7 @@ __all__ = [
     "environment_differences",
     "explaining_setting",
     "is_volatile",
+    "node_notes",
     "setting_differences",
     "unrecorded_notes",
     "varied_threads",
@@ -227,3 +230,69 @@ def environment_differences(a: RunRecord, b: RunRecord) -> tuple[list[Any], list
         except EnvFileError as exc:
             return [], [f"environments not compared: {where} is malformed: {exc}"]
     return list(diff_env(envs[0], envs[1])), []
+
+
+_NODE_DIFFERENCES_SHOWN = 4
+
+
+def _breaking(a: dict[str, Any], b: dict[str, Any]) -> list[Any] | None:
+    """The differences of two node environments that can change bits (None: one is unreadable)."""
+    from torchrepro.env import Environment, diff_env  # imports torch: only when there is work
+    from torchrepro.protocol import PARENT_RANK_VAR
+
+    try:
+        ea, eb = Environment.from_dict(a), Environment.from_dict(b)
+    except EnvFileError:
+        return None
+    rank_mark = f"env_vars.{PARENT_RANK_VAR}"  # differs from rank to rank by design
+    return [d for d in diff_env(ea, eb) if d.breaks and not is_volatile(d.key) and d.key != rank_mark]
+
+
+def _listed(differences: list[Any]) -> str:
+    shown = "; ".join(f"{d.key} {d.a!r} vs {d.b!r}" for d in differences[:_NODE_DIFFERENCES_SHOWN])
+    more = len(differences) - _NODE_DIFFERENCES_SHOWN
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def node_notes(a: RunRecord, b: RunRecord, rank: int | None = None) -> list[str]:
+    """What two multi-node records say of their nodes: the node (and host) ``rank`` ran on in each,
+    every node whose environment differs, in what can change bits, from the node of global rank 0
+    of its run, and every node whose environment differs between the runs (the node of rank 0 is
+    compared through ``env.json``). Nothing for records of one node."""
+    notes: list[str] = []
+    nodes = {run.path: read_nodes(run.path) for run in (a, b)}
+    envs = {run.path: read_node_envs(run.path) for run in (a, b)}
+    if rank is not None:
+        where = {path: found[rank] for path, found in nodes.items() if rank in found}
+        if where:
+            places = set(where.values())
+            if len(places) == 1:
+                node, host = next(iter(places))
+                notes.append(f"rank {rank} ran on node {node} (host {host})")
+            else:
+                notes.append(
+                    f"rank {rank} ran on "
+                    + " and ".join(f"node {n} (host {h}) in {p}" for p, (n, h) in where.items())
+                )
+    for run in (a, b):
+        found = envs[run.path]
+        ref = nodes[run.path].get(0, (min(found, default=0), ""))[0]
+        if len(found) < 2 or ref not in found:
+            continue
+        for node, env in found.items():
+            diffs = None if node == ref else _breaking(found[ref], env)
+            if diffs:
+                host = env.get("hostname") or "?"
+                notes.append(
+                    f"in {run.path}, node {node} (host {host}) runs in another environment than node {ref} "
+                    f"of rank 0: {_listed(diffs)}"
+                )
+    ea, eb = envs[a.path], envs[b.path]
+    refs = {nodes[r.path].get(0, (None, ""))[0] for r in (a, b)}
+    for node in sorted(set(ea) & set(eb)):
+        if node in refs:
+            continue
+        diffs = _breaking(ea[node], eb[node])
+        if diffs:
+            notes.append(f"node {node} runs in another environment in the two runs: {_listed(diffs)}")
+    return notes
