@@ -58,24 +58,13 @@ def build(kind: str, steps: int):
     return net, data
 
 
-def child(kind: str, rounds: int, steps: int) -> None:
-    import torch
+def timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader):  # type: ignore[no-untyped-def]
+    """Two closures timing ``steps`` global batches (optimizer step included) of DDP with
+    ``no_sync`` accumulation and of InvariantDataParallel over the same micro-batches per rank:
+    seconds per global batch, between barriers. Shared with ``invariant_scaling.py``."""
     import torch.distributed as dist
     from torch import nn
 
-    import torchrepro
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    net_d, data = build(kind, steps)  # one epoch: `steps` global batches
-    net_i, _ = build(kind, steps)
-    ddp = nn.parallel.DistributedDataParallel(net_d)
-    plain_loader = torchrepro.SeededLoader(data, batch_size=MICRO, seed=0, drop_last=True)
-    inv_loader = torchrepro.SeededLoader(data, batch_size=MICRO, global_batch_size=V * MICRO, seed=0)
-    inv = torchrepro.InvariantDataParallel(net_i, inv_loader)
-    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    opt_i = torch.optim.SGD(inv.parameters(), lr=0.01, momentum=0.9)
     accumulation = inv_loader.accumulation_steps
 
     def run_ddp() -> float:
@@ -108,7 +97,31 @@ def child(kind: str, rounds: int, steps: int) -> None:
         dist.barrier()
         return (time.perf_counter() - start) / steps
 
+    return run_ddp, run_inv
+
+
+def child(kind: str, rounds: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import torchrepro
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net_d, data = build(kind, steps)  # one epoch: `steps` global batches
+    net_i, _ = build(kind, steps)
+    ddp = nn.parallel.DistributedDataParallel(net_d)
+    plain_loader = torchrepro.SeededLoader(data, batch_size=MICRO, seed=0, drop_last=True)
+    inv_loader = torchrepro.SeededLoader(data, batch_size=MICRO, global_batch_size=V * MICRO, seed=0)
+    inv = torchrepro.InvariantDataParallel(net_i, inv_loader)
+    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    opt_i = torch.optim.SGD(inv.parameters(), lr=0.01, momentum=0.9)
+    run_ddp, run_inv = timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader)
+
     run_ddp(), run_inv()  # warm-up
+    accumulation = inv_loader.accumulation_steps
     ddp_times, inv_times = [], []
     for _ in range(rounds):
         ddp_times.append(run_ddp())

@@ -85,3 +85,19 @@ def test_negative_control_a_sum_in_a_row_is_not_the_tree() -> None:
     for j in range(1, V):
         in_a_row.add_(leaf(j, n))
     assert not torch.equal(in_a_row, canonical((0, V), n))
+
+
+@pytest.mark.parametrize("v", [8, 12])
+def test_splits_match_between_ranks_and_send_what_a_ring_sends(v: int) -> None:
+    from torchrepro.invariant.tree import pieces, sent_elements, splits
+
+    for w in (w for w in range(1, v + 1) if v % w == 0):
+        for n in (1, 7, 1001, 1200):
+            plans = [splits(n, v, w, r) for r in range(w)]
+            for r, j in itertools.product(range(w), range(w)):  # what r sends j, j receives from r
+                assert plans[r][0][0][j] == plans[j][0][1][r] and plans[r][1][0][j] == plans[j][1][1][r]
+            assert all(sum(plan[1][1]) == n for plan in plans)  # the whole root comes back
+            if n % w == 0 and all(len(pieces(b, v)) == 1 for b in blocks(v, w)):
+                assert all(sent_elements(n, v, w, r) == 2 * (w - 1) * n // w for r in range(w))
+    if v == 12:  # W = 3: rank 0 holds the pieces [0, 3) and [3, 4); it sends 1.5x a ring
+        assert sent_elements(1200, 12, 3, 0) == 2 * 2 * 400 + 2 * 400

@@ -188,20 +188,16 @@ def reduce_pieces(mine: dict[Node, Any], v: int, w: int, rank: int, group: Any =
     n = root.numel()
     parts = chunks(n, w)
     sizes = [hi - lo for lo, hi in parts]
-    counts = [len(pieces(block, v)) for block in blocks(v, w)]  # pieces per rank, known to all
+    first, second = splits(n, v, w, rank)
     send = _workspace("send", root, max(len(own) * n, w * sizes[rank]))  # both all-to-alls' inputs
     at = 0
     for lo, hi in parts:  # for rank j: chunk j of each of this rank's pieces, left to right
         for piece in own:
             send[at : at + hi - lo].copy_(piece.view(-1)[lo:hi])
             at += hi - lo
-    received = _workspace("received", root, sum(counts) * sizes[rank])
+    received = _workspace("received", root, sum(first[1]))
     dist.all_to_all_single(
-        received,
-        send[: len(own) * n],
-        output_split_sizes=[k * sizes[rank] for k in counts],
-        input_split_sizes=[len(own) * size for size in sizes],
-        group=group,
+        received, send[: len(own) * n], output_split_sizes=first[1], input_split_sizes=first[0], group=group
     )
     values: dict[Node, Any] = {}
     at = 0
@@ -217,13 +213,30 @@ def reduce_pieces(mine: dict[Node, Any], v: int, w: int, rank: int, group: Any =
         send[j * sizes[rank] : (j + 1) * sizes[rank]].copy_(mine_root)
     flat = root.view(-1)
     dist.all_to_all_single(
-        flat,
-        send[: w * sizes[rank]],
-        output_split_sizes=sizes,
-        input_split_sizes=[sizes[rank]] * w,
-        group=group,
+        flat, send[: w * sizes[rank]], output_split_sizes=second[1], input_split_sizes=second[0], group=group
     )
     return root
+
+
+Splits = tuple[list[int], list[int]]  # (elements sent to each rank, elements received from each)
+
+
+def splits(n: int, v: int, w: int, rank: int) -> tuple[Splits, Splits]:
+    """What ``reduce_pieces`` moves for a flat gradient of ``n`` elements, on ``rank``: the split
+    sizes of its first all-to-all (chunk ``j`` of each piece to rank ``j``) and of its second (this
+    rank's chunk of the root to every rank), in elements."""
+    sizes = [hi - lo for lo, hi in chunks(n, w)]
+    counts = [len(pieces(block, v)) for block in blocks(v, w)]  # pieces per rank, known to all
+    first = ([counts[rank] * size for size in sizes], [k * sizes[rank] for k in counts])
+    second = ([sizes[rank]] * w, sizes)
+    return first, second
+
+
+def sent_elements(n: int, v: int, w: int, rank: int) -> int:
+    """The elements ``rank`` sends to other ranks in ``reduce_pieces`` (its two all-to-alls; what
+    it sends itself is a local copy). A ring all-reduce sends ``2(W-1)/W n``."""
+    first, second = splits(n, v, w, rank)
+    return sum(first[0]) + sum(second[0]) - first[0][rank] - second[0][rank]
 
 
 def _global(rank: int, group: Any) -> int:
