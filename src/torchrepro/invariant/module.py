@@ -41,9 +41,13 @@ __all__ = ["InvariantDataParallel"]
 
 
 class _Group:
-    """The parameters of one (dtype, device): what travels between ranks as one flat buffer."""
+    """The parameters of one (dtype, device): what travels between ranks as one flat buffer.
 
-    __slots__ = ("device", "dtype", "offsets", "params", "total")
+    A micro-batch's gradients and the partial sums of the tree are flat buffers of the group's
+    size, taken from ``pool`` and given back once added into another (kept between steps: a
+    fresh gradient-sized buffer costs a page fault per page at its first touch)."""
+
+    __slots__ = ("device", "dtype", "offsets", "params", "pool", "total")
 
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
@@ -55,35 +59,23 @@ class _Group:
             self.offsets.append(total)
             total += p.numel()
         self.total = total
+        self.pool: list[torch.Tensor] = []
 
-    def take(self, present: list[bool], start: int) -> list[torch.Tensor]:
-        """The parameters' gradients, taken out of ``.grad`` (left None); zeros where None.
-        ``present[start + i]`` notes which parameters had a gradient."""
-        out = []
-        for i, p in enumerate(self.params):
-            grad = p.grad
-            if grad is None:
-                out.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
-                continue
-            if grad.is_sparse:
-                raise InvariantTrainingError(
-                    "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
-                    "and the like); use dense gradients."
-                )
-            out.append(grad)
-            present[start + i] = True
-            p.grad = None
-        return out
+    def new_flat(self) -> torch.Tensor:
+        """A flat buffer of the group's size, its contents stale (every slot is written before
+        it is read). Zeroed when first made: the op tracer takes untouched memory for
+        uninitialised and would not compare what a copy into a slice of it moves."""
+        if self.pool:
+            return self.pool.pop()
+        return torch.zeros(self.total, dtype=self.dtype, device=self.device)
 
-    def flatten(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """One flat buffer of ``grads`` (this group's), to send as one message."""
-        return torch.cat([g.reshape(-1) for g in grads])
+    def region(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s slot in ``flat``, shaped like it."""
+        p = self.params[i]
+        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [
-            flat[offset : offset + p.numel()].view_as(p)
-            for p, offset in zip(self.params, self.offsets, strict=True)
-        ]
+        return [self.region(flat, i) for i in range(len(self.params))]
 
 
 class InvariantDataParallel(nn.Module):
@@ -245,7 +237,11 @@ class InvariantDataParallel(nn.Module):
             rank, world = self._rank_world()
             v = self._loader.micro_batches
             block = blocks(v, world)[rank]
-            self._acc = _Sequential(block) if self._plain_sum else Accumulator(block, v, _add_lists)
+            self._acc = (
+                _Sequential(block, self._add_flats)
+                if self._plain_sum
+                else Accumulator(block, v, self._add_flats)
+            )
             self._present = [False] * sum(len(grp.params) for grp in self._groups)
             self._carry = {
                 p: p.grad.detach() for grp in self._groups for p in grp.params if p.grad is not None
@@ -291,14 +287,54 @@ class InvariantDataParallel(nn.Module):
         rank, world = self._rank_world()
         k = self._current[1]
         j = rank * a + k % a
-        leaf: list[torch.Tensor] = []
-        for grp, start in zip(self._groups, self._starts, strict=True):
-            leaf += grp.take(self._present, start)
+        # The leaf goes straight into the stack's top partial sum when it is that sum's right
+        # sibling (``top.add_(leaf)`` parameter by parameter: elementwise, the bits of adding the
+        # whole leaf afterwards), otherwise it is copied into flat buffers from the groups' pools.
+        top = None if self._plain_sum else self._acc.top(j)
+        leaf = top if top is not None else [grp.new_flat() for grp in self._groups]
+        for grp, start, flat in zip(self._groups, self._starts, leaf, strict=True):
+            self._take(grp, start, flat, into=top is not None)
         self._norms.end_micro_batch()
-        self._acc.push(j, leaf)
+        if top is not None:
+            self._acc.pushed_into_top(j)
+        else:
+            self._acc.push(j, leaf)
         self.peak_buffers = max(self.peak_buffers, self._acc.peak)
         if k % a == a - 1:
             self._reduce(rank, world)
+
+    def _take(self, grp: _Group, start: int, flat: torch.Tensor, *, into: bool) -> None:
+        """The group's gradients, taken out of ``.grad`` (left None) and copied into ``flat``, or
+        added into it when ``into``; a parameter without a gradient counts as zeros (adding zeros
+        is kept: ``-0.0 + 0.0`` is ``0.0``). ``self._present`` notes which had a gradient."""
+        for i, p in enumerate(grp.params):
+            region = grp.region(flat, i)
+            grad = p.grad
+            if grad is None:
+                if into:
+                    region.add_(torch.zeros_like(region))
+                else:
+                    region.zero_()
+                continue
+            if grad.is_sparse:
+                raise InvariantTrainingError(
+                    "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
+                    "and the like); use dense gradients."
+                )
+            if into:
+                region.add_(grad)
+            else:
+                region.copy_(grad)
+            self._present[start + i] = True
+            p.grad = None
+
+    def _add_flats(self, left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``left + right`` into ``left`` (elementwise: the bits of adding parameter by parameter);
+        ``right``'s buffers go back to their groups' pools."""
+        torch._foreach_add_(left, right)
+        for grp, flat in zip(self._groups, right, strict=True):
+            grp.pool.append(flat)
+        return left
 
     def _reduce(self, rank: int, world: int) -> None:
         assert self._acc is not None
@@ -311,21 +347,22 @@ class InvariantDataParallel(nn.Module):
             comm = _to_comm(present, self._group)
             dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=self._group)
             present = comm.cpu()
-        if world == 1 and not self._plain_sum:
-            (root,) = pieces.values()
-            torch._foreach_div_(root, v)
-        else:
-            root = []
-            for grp, start in zip(self._groups, self._starts, strict=True):
-                end = start + len(grp.params)
-                mine = {
-                    node: _to_comm(grp.flatten(vals[start:end]), self._group) for node, vals in pieces.items()
-                }
+        root: list[torch.Tensor] = []
+        for g, grp in enumerate(self._groups):
+            kept = [vals[g] for vals in pieces.values()]  # the pool's buffers, given back below
+            if world == 1 and not self._plain_sum:
+                (flat,) = kept
+            else:
+                mine = {node: _to_comm(vals[g], self._group) for node, vals in pieces.items()}
                 if self._plain_sum:
                     flat = _all_reduce_sum(mine, world, self._group)
                 else:
                     flat = reduce_pieces(mine, v, world, rank, self._group)
-                root += grp.unflatten(flat.to(grp.device).div_(v))
+                flat = flat.to(grp.device)
+            # The mean in a buffer of its own (.grad outlives the step; the pool's are reused).
+            mean = torch.div(flat, v) if any(flat is t for t in kept) else flat.div_(v)
+            root += grp.unflatten(mean)
+            grp.pool.extend(kept)
         params = [p for grp in self._groups for p in grp.params]
         for n, (p, grad) in enumerate(zip(params, root, strict=True)):
             if present[n]:
@@ -349,12 +386,12 @@ class InvariantDataParallel(nn.Module):
 class _Sequential(Accumulator):
     """Negative control: the block's leaves summed one after another (not the canonical tree)."""
 
-    def __init__(self, block: tuple[int, int]) -> None:
-        super().__init__(block, block[1], _add_lists)
+    def __init__(self, block: tuple[int, int], add: Any) -> None:
+        super().__init__(block, block[1], add)
 
     def push(self, j: int, value: Any) -> None:
         if self._stack:
-            self._stack[0] = (self.block, _add_lists(self._stack[0][1], value))
+            self._stack[0] = (self.block, self._add(self._stack[0][1], value))
         else:
             self._stack.append((self.block, value))
         self._expected += 1
@@ -374,11 +411,6 @@ def _all_reduce_sum(mine: dict[Any, torch.Tensor], world: int, group: Any) -> to
 def process_group_of(loader: Any) -> tuple[int, int]:
     """The ``(rank, world size)`` the loader shards for now."""
     return process_group(loader._seeded_sampler.fixed_shard)
-
-
-def _add_lists(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
-    torch._foreach_add_(left, right)  # elementwise, one kernel per tensor: the bits of left + right
-    return left
 
 
 def _to_comm(tensor: torch.Tensor, group: Any) -> torch.Tensor:

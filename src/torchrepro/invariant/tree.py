@@ -106,9 +106,34 @@ class Accumulator:
         if j != self._expected:
             raise ValueError(f"leaf {j} arrived, expected leaf {self._expected} of block {self.block}")
         self._expected += 1
+        self._stack.append(((j, j + 1), value))
+        self.peak = max(self.peak, len(self._stack))
+        self._merge()
+
+    def top(self, j: int) -> Any:
+        """The partial sum leaf ``j`` (the next) is added into as soon as it arrives, when the top
+        of the stack is its left sibling; otherwise None. A caller that adds the leaf into it
+        itself (``top.add_(leaf)``, the same bits) then calls ``pushed_into_top(j)``."""
+        if j != self._expected or not self._stack:
+            return None
+        (a, m), value = self._stack[-1]
+        node = (a, j + 1)
+        lo, hi = self.block
+        if m != j or self._parents.get(node) != j or a < lo or node[1] > hi:
+            return None
+        return value
+
+    def pushed_into_top(self, j: int) -> None:
+        """Leaf ``j`` was added into ``top(j)`` by the caller: the top becomes their parent node."""
+        if self.top(j) is None:
+            raise ValueError(f"leaf {j} has no left sibling on top of the stack of block {self.block}")
+        self._expected += 1
+        (a, _), value = self._stack[-1]
+        self._stack[-1] = ((a, j + 1), value)
+        self._merge()
+
+    def _merge(self) -> None:
         stack = self._stack
-        stack.append(((j, j + 1), value))
-        self.peak = max(self.peak, len(stack))
         lo, hi = self.block
         while len(stack) >= 2:
             (a, m), left = stack[-2]
@@ -190,14 +215,18 @@ def reduce_pieces(mine: dict[Node, Any], v: int, w: int, rank: int, group: Any =
     sizes = [hi - lo for lo, hi in parts]
     first, second = splits(n, v, w, rank)
     send = _workspace("send", root, max(len(own) * n, w * sizes[rank]))  # both all-to-alls' inputs
-    at = 0
-    for lo, hi in parts:  # for rank j: chunk j of each of this rank's pieces, left to right
-        for piece in own:
-            send[at : at + hi - lo].copy_(piece.view(-1)[lo:hi])
-            at += hi - lo
+    if len(own) == 1:  # chunk j for rank j, left to right: the piece as it lies
+        outgoing = root.view(-1)
+    else:
+        at = 0
+        for lo, hi in parts:  # for rank j: chunk j of each of this rank's pieces, left to right
+            for piece in own:
+                send[at : at + hi - lo].copy_(piece.view(-1)[lo:hi])
+                at += hi - lo
+        outgoing = send[: len(own) * n]
     received = _workspace("received", root, sum(first[1]))
     dist.all_to_all_single(
-        received, send[: len(own) * n], output_split_sizes=first[1], input_split_sizes=first[0], group=group
+        received, outgoing, output_split_sizes=first[1], input_split_sizes=first[0], group=group
     )
     values: dict[Node, Any] = {}
     at = 0
