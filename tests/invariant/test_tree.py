@@ -93,3 +93,40 @@ def test_accumulator_refuses_leaves_out_of_order() -> None:
         acc.push(2, "2")
     with pytest.raises(ValueError, match="not complete"):
         acc.done()
+
+
+@pytest.mark.parametrize("v", range(1, 41))
+def test_leaves_added_into_the_top_by_the_caller_build_the_canonical_expression(v: int) -> None:
+    """What InvariantDataParallel does with a leaf that is the top partial sum's right sibling: it
+    adds the leaf's gradients straight into the top (``top(j)``), then ``pushed_into_top(j)``."""
+    expected = canonical((0, v))
+    into = 0
+    for w in (d for d in range(1, v + 1) if v % d == 0):
+        values: dict[tuple[int, int], str] = {}
+        for block in blocks(v, w):
+            acc = Accumulator(block, v, lambda left, right: [add(left[0], right[0])])
+            for j in range(*block):
+                top = acc.top(j)
+                if top is None:
+                    acc.push(j, [str(j)])
+                else:
+                    top[0] = add(top[0], str(j))  # in place, as a flat buffer's add_
+                    acc.pushed_into_top(j)
+                    into += 1
+            values.update((node, value[0]) for node, value in acc.done().items())
+        for node, _, _ in schedule(v, w):
+            left, right = children(node)
+            values[node] = add(values.pop(left), values.pop(right))
+        assert values == {(0, v): expected}, (v, w)
+    assert into > 0 or v == 1  # every tree over 2+ leaves has a node of two leaves
+
+
+def test_a_leaf_that_is_not_the_tops_right_sibling_is_not_added_into_it() -> None:
+    acc = Accumulator((0, 6), 6, add)
+    assert acc.top(0) is None  # empty stack
+    acc.push(0, "0")
+    assert acc.top(1) is None  # (0, 2) is not a node of the tree over [0, 6): [0, 3) = 0 + [1, 3)
+    acc.push(1, "1")
+    assert acc.top(2) == "1" and acc.top(3) is None  # leaf 2 is (1, 2)'s sibling; 3 is not next
+    with pytest.raises(ValueError, match="no left sibling"):
+        Accumulator((0, 6), 6, add).pushed_into_top(0)

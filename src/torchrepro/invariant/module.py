@@ -162,6 +162,7 @@ class InvariantDataParallel(nn.Module):
         self._acc: Accumulator | None = None
         self._present: list[bool] = []
         self._carry: dict[nn.Parameter, torch.Tensor] = {}
+        self._outputs: dict[nn.Parameter, torch.Tensor] = {}  # where the global mean will go
         self.peak_buffers = 0  # the most partial-sum buffers held at once (memory report)
         if world > 1:
             self._broadcast_state()
@@ -292,8 +293,9 @@ class InvariantDataParallel(nn.Module):
         # whole leaf afterwards), otherwise it is copied into flat buffers from the groups' pools.
         top = None if self._plain_sum else self._acc.top(j)
         leaf = top if top is not None else [grp.new_flat() for grp in self._groups]
+        last = k % a == a - 1
         for grp, start, flat in zip(self._groups, self._starts, leaf, strict=True):
-            self._take(grp, start, flat, into=top is not None)
+            self._take(grp, start, flat, into=top is not None, keep=self._outputs if last else None)
         self._norms.end_micro_batch()
         if top is not None:
             self._acc.pushed_into_top(j)
@@ -303,10 +305,20 @@ class InvariantDataParallel(nn.Module):
         if k % a == a - 1:
             self._reduce(rank, world)
 
-    def _take(self, grp: _Group, start: int, flat: torch.Tensor, *, into: bool) -> None:
+    def _take(
+        self,
+        grp: _Group,
+        start: int,
+        flat: torch.Tensor,
+        *,
+        into: bool,
+        keep: dict[nn.Parameter, torch.Tensor] | None,
+    ) -> None:
         """The group's gradients, taken out of ``.grad`` (left None) and copied into ``flat``, or
         added into it when ``into``; a parameter without a gradient counts as zeros (adding zeros
-        is kept: ``-0.0 + 0.0`` is ``0.0``). ``self._present`` notes which had a gradient."""
+        is kept: ``-0.0 + 0.0`` is ``0.0``). ``self._present`` notes which had a gradient. With
+        ``keep``, the tensors autograd made are kept there (their memory is touched already): the
+        global mean is written into them (``_reduce``) instead of into fresh memory."""
         for i, p in enumerate(grp.params):
             region = grp.region(flat, i)
             grad = p.grad
@@ -325,6 +337,8 @@ class InvariantDataParallel(nn.Module):
                 region.add_(grad)
             else:
                 region.copy_(grad)
+            if keep is not None and grad.layout == torch.strided and grad.dtype == p.dtype:
+                keep[p] = grad
             self._present[start + i] = True
             p.grad = None
 
@@ -359,10 +373,17 @@ class InvariantDataParallel(nn.Module):
                 else:
                     flat = reduce_pieces(mine, v, world, rank, self._group)
                 flat = flat.to(grp.device)
-            # The mean in a buffer of its own (.grad outlives the step; the pool's are reused).
-            mean = torch.div(flat, v) if any(flat is t for t in kept) else flat.div_(v)
-            root += grp.unflatten(mean)
+            # The mean goes into tensors of its own (.grad outlives the step; the pool's buffers
+            # are reused): those the rank's last backward made when there are, elementwise.
+            if not any(flat is t for t in kept):  # a copy made for the backend: free to write
+                root += grp.unflatten(flat.div_(v))
+            else:
+                for i, p in enumerate(grp.params):
+                    out = self._outputs.get(p)
+                    region = grp.region(flat, i)
+                    root.append(torch.div(region, v) if out is None else torch.div(region, v, out=out))
             grp.pool.extend(kept)
+        self._outputs = {}
         params = [p for grp in self._groups for p in grp.params]
         for n, (p, grad) in enumerate(zip(params, root, strict=True)):
             if present[n]:
