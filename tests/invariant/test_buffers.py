@@ -7,6 +7,7 @@ global mean goes into tensors of its own.
   compared as integers, since ``torch.equal`` takes ``-0.0`` for ``0.0``.
 - ``.grad`` tensors a training loop keeps after a step hold their values through the next steps
   (they are never the reused buffers), in one process and on two gloo processes.
+- ``backward(create_graph=True)`` gives the same bits, as plain values (the buffers hold no graph).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class WithZ(nn.Module):
         self.coefficients: torch.Tensor | None = None  # set per micro-batch by the loop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.body(x).sum()
+        out = self.body(x).pow(2).sum()  # a gradient that depends on the weights (create_graph)
         if self.coefficients is not None:
             out = out + (self.z * self.coefficients).sum()  # dloss/dz = the coefficients, bit for bit
         return out
@@ -72,7 +73,10 @@ def tree_sum(leaves: list[torch.Tensor], node: tuple[int, int]) -> torch.Tensor:
     return tree_sum(leaves, left).add_(tree_sum(leaves, right))
 
 
-def train(steps: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+Grads = list[list[torch.Tensor]]
+
+
+def train(steps: int, *, create_graph: bool = False) -> tuple[Grads, Grads]:
     """The ``.grad`` tensors after each step as kept (no copy) and as cloned then."""
     module = WithZ()
     loader = torchrepro.SeededLoader(data(), batch_size=MICRO, global_batch_size=V * MICRO, seed=0)
@@ -84,7 +88,7 @@ def train(steps: int) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]
     for i, (x,) in enumerate(loader):
         c = COEFFICIENTS[rank * a + i % a]
         module.coefficients = None if c is None else torch.tensor(c)
-        model(x).backward()
+        model(x).backward(create_graph=create_graph)
         if (i + 1) % a == 0:
             grads = [p.grad for p in module.parameters()]
             assert all(g is not None for g in grads)
@@ -117,6 +121,16 @@ def test_grads_kept_from_a_step_hold_their_values_through_the_next_steps() -> No
         for g, c in zip(step_kept, step_cloned, strict=True):
             assert torch.equal(bits(g), bits(c))
     assert not all(torch.equal(a, b) for a, b in zip(cloned[0], cloned[1], strict=True))  # they moved
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_create_graph_gives_the_same_bits_as_plain_values() -> None:
+    _, plain = train(2)
+    kept, graphed = train(2, create_graph=True)
+    for step in range(2):
+        assert not any(g.requires_grad for g in kept[step])
+        for a, b in zip(plain[step], graphed[step], strict=True):
+            assert torch.equal(bits(a), bits(b))
 
 
 def _rank(rank: int, world: int, path: str, out: str) -> None:

@@ -333,6 +333,7 @@ class InvariantDataParallel(nn.Module):
                     "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
                     "and the like); use dense gradients."
                 )
+            grad = grad.detach()  # backward(create_graph=True): the values, not a graph through the pool
             if into:
                 region.add_(grad)
             else:
