@@ -1,10 +1,9 @@
-"""InvariantDataParallel's kept gradient buffers: a micro-batch's gradients are copied into flat
-buffers reused between steps, or added straight into the top partial sum of the tree, and the
-global mean goes into tensors of its own.
+"""InvariantDataParallel's kept buffers: each piece's gradients are flattened into flat buffers
+reused between steps, and the global mean goes into tensors of its own.
 
 - A parameter without a gradient in a micro-batch is a leaf of zeros, bit for bit, signs of zero
-  included (``-0.0 + 0.0`` is ``0.0``: a leaf added into the top must still add its zeros);
-  compared as integers, since ``torch.equal`` takes ``-0.0`` for ``0.0``.
+  included (``-0.0 + 0.0`` is ``0.0``); compared as integers, since ``torch.equal`` takes
+  ``-0.0`` for ``0.0``.
 - ``.grad`` tensors a training loop keeps after a step hold their values through the next steps
   (they are never the reused buffers), in one process and on two gloo processes.
 - ``backward(create_graph=True)`` gives the same bits, as plain values (the buffers hold no graph).
@@ -26,9 +25,9 @@ import torchrepro
 from torchrepro.invariant.tree import children
 
 V, MICRO = 6, 2
-# z's gradient per global micro-batch (None: z takes no part in that micro-batch's loss). With
-# V = 6 on one rank, leaves 2 and 5 are added into the top partial sum ((1, 2) and (4, 5)), and
-# both are absent: entry 0 of the mean is +0.0 only if their zeros are added (-0.0 + 0.0).
+# z's gradient per global micro-batch (None: z takes no part in that micro-batch's loss). Leaves
+# 2 and 5, the right children of (1, 3) and (4, 6), are absent: entry 0 of the mean is +0.0 only
+# if their zeros are added (-0.0 + 0.0).
 COEFFICIENTS = [
     [-0.0, 1.0, -0.0, 2.0],
     [-0.0, -0.0, 3.0, -0.0],

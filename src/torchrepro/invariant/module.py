@@ -43,9 +43,8 @@ __all__ = ["InvariantDataParallel"]
 class _Group:
     """The parameters of one (dtype, device): what travels between ranks as one flat buffer.
 
-    A micro-batch's gradients and the partial sums of the tree are flat buffers of the group's
-    size, taken from ``pool`` and given back once added into another (kept between steps: a
-    fresh gradient-sized buffer costs a page fault per page at its first touch)."""
+    The flat buffers come from ``pool`` and go back to it after the reduction (kept between
+    steps: a fresh gradient-sized buffer costs a page fault per page at its first touch)."""
 
     __slots__ = ("device", "dtype", "offsets", "params", "pool", "total")
 
@@ -61,21 +60,36 @@ class _Group:
         self.total = total
         self.pool: list[torch.Tensor] = []
 
-    def new_flat(self) -> torch.Tensor:
-        """A flat buffer of the group's size, its contents stale (every slot is written before
-        it is read). Zeroed when first made: the op tracer takes untouched memory for
-        uninitialised and would not compare what a copy into a slice of it moves."""
-        if self.pool:
-            return self.pool.pop()
-        return torch.zeros(self.total, dtype=self.dtype, device=self.device)
+    def take(self, present: list[bool], start: int) -> list[torch.Tensor]:
+        """The parameters' gradients, taken out of ``.grad`` (left None); zeros where None.
+        ``present[start + i]`` notes which parameters had a gradient."""
+        out = []
+        for i, p in enumerate(self.params):
+            grad = p.grad
+            if grad is None:
+                out.append(torch.zeros_like(p, memory_format=torch.contiguous_format))
+                continue
+            if grad.is_sparse:
+                raise InvariantTrainingError(
+                    "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
+                    "and the like); use dense gradients."
+                )
+            out.append(grad.detach())  # backward(create_graph=True): the values, not a graph
+            present[start + i] = True
+            p.grad = None
+        return out
 
-    def region(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Parameter ``i``'s slot in ``flat``, shaped like it."""
-        p = self.params[i]
-        return flat[self.offsets[i] : self.offsets[i] + p.numel()].view_as(p)
+    def flatten(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """One flat buffer of ``grads`` (this group's), to send as one message: one of the pool's
+        (zeroed when first made: the op tracer takes untouched memory for uninitialised)."""
+        flat = self.pool.pop() if self.pool else torch.zeros(self.total, dtype=self.dtype, device=self.device)
+        return torch.cat([g.reshape(-1) for g in grads], out=flat)
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [self.region(flat, i) for i in range(len(self.params))]
+        return [
+            flat[offset : offset + p.numel()].view_as(p)
+            for p, offset in zip(self.params, self.offsets, strict=True)
+        ]
 
 
 class InvariantDataParallel(nn.Module):
@@ -162,7 +176,6 @@ class InvariantDataParallel(nn.Module):
         self._acc: Accumulator | None = None
         self._present: list[bool] = []
         self._carry: dict[nn.Parameter, torch.Tensor] = {}
-        self._outputs: dict[nn.Parameter, torch.Tensor] = {}  # where the global mean will go
         self.peak_buffers = 0  # the most partial-sum buffers held at once (memory report)
         if world > 1:
             self._broadcast_state()
@@ -238,11 +251,7 @@ class InvariantDataParallel(nn.Module):
             rank, world = self._rank_world()
             v = self._loader.micro_batches
             block = blocks(v, world)[rank]
-            self._acc = (
-                _Sequential(block, self._add_flats)
-                if self._plain_sum
-                else Accumulator(block, v, self._add_flats)
-            )
+            self._acc = _Sequential(block) if self._plain_sum else Accumulator(block, v, _add_lists)
             self._present = [False] * sum(len(grp.params) for grp in self._groups)
             self._carry = {
                 p: p.grad.detach() for grp in self._groups for p in grp.params if p.grad is not None
@@ -288,68 +297,14 @@ class InvariantDataParallel(nn.Module):
         rank, world = self._rank_world()
         k = self._current[1]
         j = rank * a + k % a
-        # The leaf goes straight into the stack's top partial sum when it is that sum's right
-        # sibling (``top.add_(leaf)`` parameter by parameter: elementwise, the bits of adding the
-        # whole leaf afterwards), otherwise it is copied into flat buffers from the groups' pools.
-        top = None if self._plain_sum else self._acc.top(j)
-        leaf = top if top is not None else [grp.new_flat() for grp in self._groups]
-        last = k % a == a - 1
-        for grp, start, flat in zip(self._groups, self._starts, leaf, strict=True):
-            self._take(grp, start, flat, into=top is not None, keep=self._outputs if last else None)
+        leaf: list[torch.Tensor] = []
+        for grp, start in zip(self._groups, self._starts, strict=True):
+            leaf += grp.take(self._present, start)
         self._norms.end_micro_batch()
-        if top is not None:
-            self._acc.pushed_into_top(j)
-        else:
-            self._acc.push(j, leaf)
+        self._acc.push(j, leaf)
         self.peak_buffers = max(self.peak_buffers, self._acc.peak)
         if k % a == a - 1:
             self._reduce(rank, world)
-
-    def _take(
-        self,
-        grp: _Group,
-        start: int,
-        flat: torch.Tensor,
-        *,
-        into: bool,
-        keep: dict[nn.Parameter, torch.Tensor] | None,
-    ) -> None:
-        """The group's gradients, taken out of ``.grad`` (left None) and copied into ``flat``, or
-        added into it when ``into``; a parameter without a gradient counts as zeros (adding zeros
-        is kept: ``-0.0 + 0.0`` is ``0.0``). ``self._present`` notes which had a gradient. With
-        ``keep``, the tensors autograd made are kept there (their memory is touched already): the
-        global mean is written into them (``_reduce``) instead of into fresh memory."""
-        for i, p in enumerate(grp.params):
-            region = grp.region(flat, i)
-            grad = p.grad
-            if grad is None:
-                if into:
-                    region.add_(torch.zeros_like(region))
-                else:
-                    region.zero_()
-                continue
-            if grad.is_sparse:
-                raise InvariantTrainingError(
-                    "InvariantDataParallel does not take sparse gradients (nn.Embedding(sparse=True) "
-                    "and the like); use dense gradients."
-                )
-            grad = grad.detach()  # backward(create_graph=True): the values, not a graph through the pool
-            if into:
-                region.add_(grad)
-            else:
-                region.copy_(grad)
-            if keep is not None and grad.layout == torch.strided and grad.dtype == p.dtype:
-                keep[p] = grad
-            self._present[start + i] = True
-            p.grad = None
-
-    def _add_flats(self, left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``left + right`` into ``left`` (elementwise: the bits of adding parameter by parameter);
-        ``right``'s buffers go back to their groups' pools."""
-        torch._foreach_add_(left, right)
-        for grp, flat in zip(self._groups, right, strict=True):
-            grp.pool.append(flat)
-        return left
 
     def _reduce(self, rank: int, world: int) -> None:
         assert self._acc is not None
@@ -362,29 +317,30 @@ class InvariantDataParallel(nn.Module):
             comm = _to_comm(present, self._group)
             dist.all_reduce(comm, op=dist.ReduceOp.MAX, group=self._group)
             present = comm.cpu()
-        root: list[torch.Tensor] = []
-        for g, grp in enumerate(self._groups):
-            kept = [vals[g] for vals in pieces.values()]  # the pool's buffers, given back below
-            if world == 1 and not self._plain_sum:
-                (flat,) = kept
-            else:
-                mine = {node: _to_comm(vals[g], self._group) for node, vals in pieces.items()}
+        if world == 1 and not self._plain_sum:
+            (root,) = pieces.values()
+            torch._foreach_div_(root, v)
+        else:
+            root = []
+            for grp, start in zip(self._groups, self._starts, strict=True):
+                end = start + len(grp.params)
+                kept = {node: grp.flatten(vals[start:end]) for node, vals in pieces.items()}
+                mine = {node: _to_comm(flat, self._group) for node, flat in kept.items()}
                 if self._plain_sum:
                     flat = _all_reduce_sum(mine, world, self._group)
                 else:
                     flat = reduce_pieces(mine, v, world, rank, self._group)
                 flat = flat.to(grp.device)
-            # The mean goes into tensors of its own (.grad outlives the step; the pool's buffers
-            # are reused): those the rank's last backward made when there are, elementwise.
-            if not any(flat is t for t in kept):  # a copy made for the backend: free to write
-                root += grp.unflatten(flat.div_(v))
-            else:
-                for i, p in enumerate(grp.params):
-                    out = self._outputs.get(p)
-                    region = grp.region(flat, i)
-                    root.append(torch.div(region, v) if out is None else torch.div(region, v, out=out))
-            grp.pool.extend(kept)
-        self._outputs = {}
+                if any(flat is t for t in kept.values()):  # the pool's: the mean goes elsewhere
+                    # into the first piece's tensors, free once flattened (autograd made them:
+                    # their memory is touched already), elementwise
+                    outs = next(iter(pieces.values()))[start:end]
+                    root += [
+                        _div(region, v, out) for region, out in zip(grp.unflatten(flat), outs, strict=True)
+                    ]
+                else:  # a copy the backend needed: free to write
+                    root += grp.unflatten(flat.div_(v))
+                grp.pool.extend(kept.values())
         params = [p for grp in self._groups for p in grp.params]
         for n, (p, grad) in enumerate(zip(params, root, strict=True)):
             if present[n]:
@@ -408,12 +364,12 @@ class InvariantDataParallel(nn.Module):
 class _Sequential(Accumulator):
     """Negative control: the block's leaves summed one after another (not the canonical tree)."""
 
-    def __init__(self, block: tuple[int, int], add: Any) -> None:
-        super().__init__(block, block[1], add)
+    def __init__(self, block: tuple[int, int]) -> None:
+        super().__init__(block, block[1], _add_lists)
 
     def push(self, j: int, value: Any) -> None:
         if self._stack:
-            self._stack[0] = (self.block, self._add(self._stack[0][1], value))
+            self._stack[0] = (self.block, _add_lists(self._stack[0][1], value))
         else:
             self._stack.append((self.block, value))
         self._expected += 1
@@ -433,6 +389,18 @@ def _all_reduce_sum(mine: dict[Any, torch.Tensor], world: int, group: Any) -> to
 def process_group_of(loader: Any) -> tuple[int, int]:
     """The ``(rank, world size)`` the loader shards for now."""
     return process_group(loader._seeded_sampler.fixed_shard)
+
+
+def _add_lists(left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
+    torch._foreach_add_(left, right)  # elementwise, one kernel per tensor: the bits of left + right
+    return left
+
+
+def _div(flat: torch.Tensor, v: int, out: torch.Tensor) -> torch.Tensor:
+    """``flat / v`` into ``out`` when it can hold it, else into a new tensor (the same bits)."""
+    if out.dtype == flat.dtype and out.layout == torch.strided and out.device == flat.device:
+        return torch.div(flat, v, out=out)
+    return torch.div(flat, v)
 
 
 def _to_comm(tensor: torch.Tensor, group: Any) -> torch.Tensor:

@@ -106,34 +106,9 @@ class Accumulator:
         if j != self._expected:
             raise ValueError(f"leaf {j} arrived, expected leaf {self._expected} of block {self.block}")
         self._expected += 1
-        self._stack.append(((j, j + 1), value))
-        self.peak = max(self.peak, len(self._stack))
-        self._merge()
-
-    def top(self, j: int) -> Any:
-        """The partial sum leaf ``j`` (the next) is added into as soon as it arrives, when the top
-        of the stack is its left sibling; otherwise None. A caller that adds the leaf into it
-        itself (``top.add_(leaf)``, the same bits) then calls ``pushed_into_top(j)``."""
-        if j != self._expected or not self._stack:
-            return None
-        (a, m), value = self._stack[-1]
-        node = (a, j + 1)
-        lo, hi = self.block
-        if m != j or self._parents.get(node) != j or a < lo or node[1] > hi:
-            return None
-        return value
-
-    def pushed_into_top(self, j: int) -> None:
-        """Leaf ``j`` was added into ``top(j)`` by the caller: the top becomes their parent node."""
-        if self.top(j) is None:
-            raise ValueError(f"leaf {j} has no left sibling on top of the stack of block {self.block}")
-        self._expected += 1
-        (a, _), value = self._stack[-1]
-        self._stack[-1] = ((a, j + 1), value)
-        self._merge()
-
-    def _merge(self) -> None:
         stack = self._stack
+        stack.append(((j, j + 1), value))
+        self.peak = max(self.peak, len(stack))
         lo, hi = self.block
         while len(stack) >= 2:
             (a, m), left = stack[-2]
