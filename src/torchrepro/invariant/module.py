@@ -14,6 +14,10 @@ Invariants:
     (``tree``), within a rank and across ranks, then divided by ``V``: after a rank's last
     micro-batch of a global batch, ``.grad`` holds the global mean, the same bits on every rank
     and every ``W``;
+  - only copies and elementwise ops stand between those sums and ``.grad``: a finished piece is
+    copied into a flat buffer of its (dtype, device) group, from a pool kept between steps; the
+    mean is written into the first piece's own tensors, never into a pooled buffer (``.grad``
+    outlives the step);
   - BatchNorm running statistics are replayed in global micro-batch order (``norm``).
 - A parameter that got no gradient in any micro-batch of the global batch (on any rank) keeps
   ``.grad`` None. Gradients left in ``.grad`` from before a global batch (no ``zero_grad``) are

@@ -15,7 +15,8 @@ Invariants:
   and a second all-to-all sends each rank's chunk of the root to every rank. Per rank that is
   about ``2(W-1)/W`` gradients sent and as many received, like a ring all-reduce, in two
   collectives every rank runs at once (``reduce_pieces``); the buffers they move are kept between
-  calls (``_workspace``).
+  calls (``_workspace``), and a rank's only piece is sent as it lies. ``splits`` is that plan
+  (what each rank sends and receives), ``sent_elements`` its count against a ring's.
 - Pure index arithmetic lives here; only ``reduce_pieces`` talks to ``torch.distributed``.
 """
 
