@@ -64,9 +64,7 @@ def build(steps: int):  # type: ignore[no-untyped-def]
 def child(rounds: int, steps: int) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    import torchrepro
     from torchrepro.invariant.tree import sent_elements
 
     torch.set_num_threads(1)
@@ -74,13 +72,7 @@ def child(rounds: int, steps: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     net_d, data = build(steps)  # one epoch: `steps` global batches
     net_i, _ = build(steps)
-    ddp = nn.parallel.DistributedDataParallel(net_d)
-    plain_loader = torchrepro.SeededLoader(data, batch_size=MICRO, seed=0, drop_last=True)
-    inv_loader = torchrepro.SeededLoader(data, batch_size=MICRO, global_batch_size=V * MICRO, seed=0)
-    inv = torchrepro.InvariantDataParallel(net_i, inv_loader)
-    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    opt_i = torch.optim.SGD(inv.parameters(), lr=0.01, momentum=0.9)
-    run_ddp, run_inv = _step_benchmark().timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader)
+    run_ddp, run_inv, *_ = _step_benchmark().pair(net_d, net_i, data, steps, MICRO, V)
     run_ddp(), run_inv()  # warm-up
     ddp_times, inv_times = [], []
     for _ in range(rounds):

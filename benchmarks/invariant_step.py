@@ -100,25 +100,34 @@ def timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader):  # type: ig
     return run_ddp, run_inv
 
 
-def child(kind: str, rounds: int, steps: int) -> None:
+def pair(net_d, net_i, data, steps, micro=MICRO, v=V):  # type: ignore[no-untyped-def]
+    """DDP around ``net_d`` and InvariantDataParallel around ``net_i`` (the same weights), each with
+    its loader over ``data`` and momentum SGD, and their ``timers``: ``(run_ddp, run_inv, inv,
+    inv_loader)``. Shared with ``invariant_scaling.py``."""
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     import torchrepro
+
+    ddp = nn.parallel.DistributedDataParallel(net_d)
+    plain_loader = torchrepro.SeededLoader(data, batch_size=micro, seed=0, drop_last=True)
+    inv_loader = torchrepro.SeededLoader(data, batch_size=micro, global_batch_size=v * micro, seed=0)
+    inv = torchrepro.InvariantDataParallel(net_i, inv_loader)
+    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    opt_i = torch.optim.SGD(inv.parameters(), lr=0.01, momentum=0.9)
+    return (*timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader), inv, inv_loader)
+
+
+def child(kind: str, rounds: int, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     net_d, data = build(kind, steps)  # one epoch: `steps` global batches
     net_i, _ = build(kind, steps)
-    ddp = nn.parallel.DistributedDataParallel(net_d)
-    plain_loader = torchrepro.SeededLoader(data, batch_size=MICRO, seed=0, drop_last=True)
-    inv_loader = torchrepro.SeededLoader(data, batch_size=MICRO, global_batch_size=V * MICRO, seed=0)
-    inv = torchrepro.InvariantDataParallel(net_i, inv_loader)
-    opt_d = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-    opt_i = torch.optim.SGD(inv.parameters(), lr=0.01, momentum=0.9)
-    run_ddp, run_inv = timers(steps, ddp, opt_d, plain_loader, inv, opt_i, inv_loader)
+    run_ddp, run_inv, inv, inv_loader = pair(net_d, net_i, data, steps)
 
     run_ddp(), run_inv()  # warm-up
     accumulation = inv_loader.accumulation_steps

@@ -221,24 +221,29 @@ def write_world(
     atomic_write_json(Path(run_dir) / f"world.rank{rank}.json", note)
 
 
+def _notes(run_dir: str | os.PathLike[str], pattern: re.Pattern[str]) -> Iterator[tuple[int, Any]]:
+    """``(number, content)`` of every JSON note in ``run_dir`` whose name ``pattern`` matches (its
+    group 1 is the number); unreadable notes skipped: a torn note must not hide the others."""
+    try:
+        names = sorted(p.name for p in Path(run_dir).iterdir())
+    except OSError:
+        return
+    for name in names:
+        m = pattern.match(name)
+        if m:
+            try:
+                yield int(m.group(1)), read_json(Path(run_dir) / name)
+            except EnvFileError:
+                continue
+
+
 def read_nodes(run_dir: str | os.PathLike[str]) -> dict[int, tuple[int, str]]:
     """``{rank: (node, host)}`` of the ranks whose world note names a node (a multi-node run)."""
     found: dict[int, tuple[int, str]] = {}
-    try:
-        names = [p.name for p in Path(run_dir).iterdir()]
-    except OSError:
-        return found
-    for name in names:
-        m = _WORLD_RE.match(name)
-        if not m:
-            continue
-        try:
-            data = read_json(Path(run_dir) / name)
-        except EnvFileError:
-            continue
+    for rank, data in _notes(run_dir, _WORLD_RE):
         node = data.get("node") if isinstance(data, dict) else None
         if type(node) is int and node >= 0:
-            found[int(m.group(1))] = (node, str(data.get("host") or "?"))
+            found[rank] = (node, str(data.get("host") or "?"))
     return found
 
 
@@ -249,43 +254,18 @@ def node_env_path(run_dir: str | os.PathLike[str], node: int) -> Path:
 
 def read_node_envs(run_dir: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
     """``{node: environment}`` of every node environment in ``run_dir`` (unreadable ones skipped)."""
-    found: dict[int, dict[str, Any]] = {}
-    try:
-        names = [p.name for p in Path(run_dir).iterdir()]
-    except OSError:
-        return found
-    for name in names:
-        m = _NODE_ENV_RE.match(name)
-        if not m:
-            continue
-        try:
-            data = read_json(Path(run_dir) / name)
-        except EnvFileError:
-            continue
-        if isinstance(data, dict):
-            found[int(m.group(1))] = data
-    return dict(sorted(found.items()))
+    found = [(node, data) for node, data in _notes(run_dir, _NODE_ENV_RE) if isinstance(data, dict)]
+    return dict(sorted(found))
 
 
 def read_world(run_dir: str | os.PathLike[str]) -> dict[int, int]:
     """``{rank: world size}`` of every ``write_world`` note in ``run_dir`` (malformed ones skipped:
     a torn note must not hide the ranks the others name)."""
     found: dict[int, int] = {}
-    try:
-        names = [p.name for p in Path(run_dir).iterdir()]
-    except OSError:
-        return found
-    for name in names:
-        m = _WORLD_RE.match(name)
-        if not m:
-            continue
-        try:
-            data = read_json(Path(run_dir) / name)
-        except EnvFileError:
-            continue
+    for rank, data in _notes(run_dir, _WORLD_RE):
         size = data.get("world_size") if isinstance(data, dict) else None
         if type(size) is int and 0 < size <= 1 << 20:
-            found[int(m.group(1))] = size
+            found[rank] = size
     return found
 
 

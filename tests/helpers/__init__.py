@@ -135,3 +135,15 @@ def line_of(script: Path, text: str) -> str:
     lines = script.read_text(encoding="utf-8").splitlines()
     (number,) = [n for n, t in enumerate(lines, start=1) if text in t]
     return f"{relative(script)}:{number}"
+
+
+def tree_sum(leaves: list[Any], node: tuple[int, int]) -> Any:
+    """The sum of ``leaves[lo:hi]`` in the canonical tree (``invariant.tree.children``: each node
+    ``left + right``), computed apart from InvariantDataParallel: what its gradients must equal."""
+    from torchrepro.invariant.tree import children
+
+    lo, hi = node
+    if hi - lo == 1:
+        return leaves[lo].clone()
+    left, right = children(node)
+    return tree_sum(leaves, left).add_(tree_sum(leaves, right))

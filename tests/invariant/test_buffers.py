@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import torchrepro
-from torchrepro.invariant.tree import children
+from helpers import tree_sum
 
 V, MICRO = 6, 2
 # z's gradient per global micro-batch (None: z takes no part in that micro-batch's loss). Leaves
@@ -62,14 +62,6 @@ def data() -> torch.utils.data.TensorDataset:
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.int32)
-
-
-def tree_sum(leaves: list[torch.Tensor], node: tuple[int, int]) -> torch.Tensor:
-    lo, hi = node
-    if hi - lo == 1:
-        return leaves[lo].clone()
-    left, right = children(node)
-    return tree_sum(leaves, left).add_(tree_sum(leaves, right))
 
 
 Grads = list[list[torch.Tensor]]

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import torchrepro
+from helpers import tree_sum
 from torchrepro import InvariantTrainingError
-from torchrepro.invariant.tree import children
 
 V, MICRO = 6, 3
 
@@ -31,14 +31,6 @@ def loader(**kwargs) -> torchrepro.SeededLoader:
 def net(dropout: float = 0.0) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(5, 4), nn.Dropout(dropout), nn.Linear(4, 1))
-
-
-def tree_sum(leaves: list[torch.Tensor], node: tuple[int, int]) -> torch.Tensor:
-    lo, hi = node
-    if hi - lo == 1:
-        return leaves[lo].clone()
-    left, right = children(node)
-    return tree_sum(leaves, left).add_(tree_sum(leaves, right))
 
 
 def test_grad_is_the_tree_mean_of_the_micro_batch_gradients_bit_for_bit() -> None:
