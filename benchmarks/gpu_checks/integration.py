@@ -33,6 +33,8 @@ ran):
   taken on the CPU).
 - ``invariant_data_parallel``: InvariantDataParallel on the device gives the same bits in two fresh
   processes and on 2 processes (torchrun, gloo, both ranks on the one device).
+- ``invariant_data_parallel_nccl``: and on 2 processes over NCCL, a GPU each (skipped, with the
+  reason, on fewer than 2 CUDA devices).
 
 Invariants:
 - Everything runs in fresh child processes (``common.run_python`` or ``python -m torchrepro``):
@@ -662,7 +664,11 @@ import torchrepro
 
 device = P["device"]
 if "RANK" in os.environ:
-    dist.init_process_group("gloo")  # every rank on the one device; gradients travel through the CPU
+    # gloo: every rank on the one device, gradients through the CPU; nccl: a device per rank
+    dist.init_process_group(P.get("backend", "gloo"))
+    if P.get("backend") == "nccl":
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
 torchrepro.set_determinism("strict")
 torch.set_num_threads(1)
 
@@ -723,7 +729,39 @@ def check_invariant_data_parallel(ctx: Context) -> list[Row]:
         + ", ".join(f"{name} {'/'.join(fp[:8] for fp in fps)}" for name, fps in runs.items())
         + ("; the same bits" if ok else "; the bits differ")
     )
-    return [_row(check, "pass" if ok else "fail", detail, fingerprints=runs)]
+    row = _row(check, "pass" if ok else "fail", detail, fingerprints=runs)
+    return [row, _idp_nccl(ctx, runs["1 process"])]
+
+
+DEVICE_COUNT = "import json, torch\nprint(json.dumps({'devices': torch.cuda.device_count()}))\n"
+
+
+def _idp_nccl(ctx: Context, single: list[str]) -> Row:
+    """``invariant_data_parallel_nccl``: the same training on 2 processes over NCCL (a GPU each;
+    the reduction's all-to-alls on the devices) ends with the bits of 1 process."""
+    check = "invariant_data_parallel_nccl"
+    if not ctx.cuda:
+        return _row(check, "skip", "NCCL runs on CUDA only: InvariantDataParallel over NCCL needs 2 devices")
+    count = run_python(DEVICE_COUNT, cwd=ctx.workdir / "idp-nccl", timeout=CHILD_TIMEOUT)
+    failed = _child_failed(check, count)
+    if failed:
+        return failed
+    devices = int(count.result["devices"])
+    if devices < 2:
+        return _row(check, "skip", f"NCCL needs a CUDA device per rank; {devices} visible, 2 needed")
+    code = _code(IDP_CHILD, device=ctx.device, backend="nccl")
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    res = run_python(code, cwd=ctx.workdir / "idp-nccl", argv_prefix=torchrun, timeout=CHILD_TIMEOUT * 2)
+    failed = _child_failed(check, res)
+    if failed:
+        return failed
+    fps = res.result["fingerprints"]
+    ok = len(fps) == 2 and set(fps) == set(single)
+    detail = (
+        f"InvariantDataParallel on 2 processes over NCCL (cuda:0, cuda:1): {'/'.join(fp[:8] for fp in fps)} "
+        f"against 1 process {single[0][:8]}" + ("; the same bits" if ok else "; the bits differ")
+    )
+    return _row(check, "pass" if ok else "fail", detail, fingerprints=fps, single=single)
 
 
 AUDIT_SCRIPT = """
