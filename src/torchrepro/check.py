@@ -38,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -241,7 +242,11 @@ def check_script(
     check_dir = runrecord.new_run_dir(runrecord.CHECKS_ROOT if opts.root is None else opts.root)
     isolation, layers = _isolation(check_dir, enabled=opts.isolate)
     repro_threads = opts.repro_threads and repro_dir is None and opts.vary == "threads" and opts.locate
-    try:
+    # SIGTERM ends the check as Ctrl-C does (its runs stopped, exit 128+15) in every phase and
+    # between them: a signal after the last run ended must not kill it with its layers still open
+    with terminate_on_signals(), contextlib.ExitStack() as cleanup:
+        if layers is not None:
+            cleanup.callback(layers.close)
         if opts.vary == "resume":
             from torchrepro.check_resume import check_resume
 
@@ -277,9 +282,6 @@ def check_script(
             repro_dir=repro_dir,
             repro_threads=repro_threads,
         )
-    finally:
-        if layers is not None:
-            layers.close()
 
 
 _OPTED_OUT = "--no-isolate"
