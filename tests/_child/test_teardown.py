@@ -25,9 +25,13 @@ import json, os, sys, time
 import torch
 import torch.distributed as dist
 from torchrepro._child import teardown
+teardown.install()  # as in a run: rank 1 leaves right after its collective (pytorch#190489 at exit)
 rank, port, started = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 dist.all_reduce(torch.ones(1))
+deadline = time.monotonic() + 10
+while len(teardown.gloo_workers()) < 2 and time.monotonic() < deadline:  # a thread names itself
+    time.sleep(0.01)  # when it first runs: under load the second may not have run yet
 out = {"rank": rank, "workers": len(teardown.gloo_workers()), "idle_before": teardown.quiesce(timeout=5)}
 if rank == 1:
     while not os.path.exists(started):  # rank 0 started its collective and gave up waiting once
