@@ -829,6 +829,18 @@ def test_records_on_different_world_sizes_compare_only_what_must_not_depend_on_t
     )
 
 
+def test_a_multi_node_record_runs_on_nproc_times_nnodes_processes(tmp_path: Path) -> None:
+    # --nproc is per node: 2 nodes x 2 is the world of 4 processes on one node, compared rank by rank
+    events = {r: split_training(2, world=4, rank=r) for r in range(4)}
+    one_node = make_record(tmp_path / "one", events, settings=RunSettings(nproc=4))
+    two_nodes = make_record(tmp_path / "two", events, settings=RunSettings(nproc=2, nnodes=2))
+    result = compare_runs(one_node, two_nodes)
+    assert result.world is None and result.reproducible is True
+    assert sorted(result.coverage.per_rank) == [0, 1, 2, 3]
+    halves = make_record(tmp_path / "half", {r: events[r] for r in range(2)}, settings=RunSettings(nproc=2))
+    assert compare_runs(halves, two_nodes).world == WorldScope(2, 4)  # control: a world of 2 is another
+
+
 def test_an_optimizer_step_differing_across_world_sizes_is_named_with_why(tmp_path: Path) -> None:
     one, two = world_records(tmp_path, fps={1: {1: "other"}})
     result = compare_runs(one, two)

@@ -122,11 +122,13 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str]) -
 
 
 def _world_size(run: RunRecord) -> int:
-    """The number of processes a record ran on: its ``--nproc``, else the largest process group its
-    ranks noted joining, else 1 (never the events files found: a rank that wrote none is missing,
-    not a smaller world)."""
-    nproc = None if run.settings is None else run.settings.nproc
-    return nproc or max(read_world(run.path).values(), default=1)
+    """The number of processes a record ran on: its ``--nproc`` (times its ``--nnodes``: ``--nproc``
+    is per node), else the largest process group its ranks noted joining, else 1 (never the events
+    files found: a rank that wrote none is missing, not a smaller world)."""
+    settings = run.settings
+    if settings is not None and settings.nproc:
+        return settings.nproc * (settings.nnodes or 1)
+    return max(read_world(run.path).values(), default=1)
 
 
 def _traced_optimizer(run: RunRecord) -> int:
