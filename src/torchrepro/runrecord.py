@@ -575,9 +575,11 @@ def write_run_files(run_dir: str | os.PathLike[str], command: Sequence[str], set
     atomic_write_json(root / SETTINGS_FILE, settings.to_dict())
 
 
-def write_env(run_dir: str | os.PathLike[str], env: Mapping[str, Any]) -> None:
-    """Write ``env.json`` of a run record."""
-    atomic_write_json(Path(run_dir) / ENV_FILE, dict(env))
+def write_env(run_dir: str | os.PathLike[str], env: Mapping[str, Any], *, node: int | None = None) -> None:
+    """Write ``env.json`` of a run record (``node``: that node's ``env.node<N>.json`` in a multi-node
+    run)."""
+    path = Path(run_dir) / ENV_FILE if node is None else node_env_path(run_dir, node)
+    atomic_write_json(path, dict(env))
 
 
 def write_verdict(check_dir: str | os.PathLike[str], verdict: Mapping[str, Any]) -> None:

@@ -43,7 +43,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -424,14 +423,12 @@ def _write_env(
         env = collect_env(script=script).to_dict()
     except Exception as exc:  # the record stays useful without it
         env = {"error": f"collect_env failed: {type(exc).__name__}: {exc}"}
-    paths = [Path(record_dir) / runrecord.ENV_FILE] if rank_zero else []
-    if node is not None:
-        paths.append(runrecord.node_env_path(record_dir, node))
-    for path in paths:
+    for target in ([None] if rank_zero else []) + ([] if node is None else [node]):
         try:
-            atomic_write_json(path, env)
+            runrecord.write_env(record_dir, env, node=target)
         except (OSError, TypeError, ValueError) as exc:
-            print(f"torchrepro bootstrap: could not write {path.name}: {exc}", file=sys.stderr)
+            name = runrecord.ENV_FILE if target is None else runrecord.node_env_path(record_dir, target).name
+            print(f"torchrepro bootstrap: could not write {name}: {exc}", file=sys.stderr)
 
 
 def _configure(spec: ChildSpec) -> None:
