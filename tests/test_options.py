@@ -12,7 +12,7 @@ from torchrepro.errors import SettingsError
 from torchrepro.options import ASSERT_OPTIONS, VARY_CHOICES, CheckOptions
 from torchrepro.testing.assertion import CHECK_OPTIONS
 
-DERIVED = {"locate", "isolate", "steps_after_divergence", "repro_threads"}
+DERIVED = {"locate", "isolate", "steps_after_divergence", "repro_threads", "nodes"}
 """Fields a ``torchrepro check`` flag sets under another name (``--no-locate``, ``--no-isolate``) or
 that ``--report`` derives."""
 INTERNAL = {"root", "poll_interval"}
@@ -31,7 +31,18 @@ def test_every_field_is_a_check_flag_or_derived_from_one_or_internal() -> None:
     assert set(cli.CHECK_FLAGS) <= dests & fields
     assert fields == set(cli.CHECK_FLAGS) | DERIVED | INTERNAL
     # every flag of check that is an option of the runs reaches a field
-    runs_flags = dests - {"help", "json", "report", "script", "args", "module", "no_locate", "no_isolate"}
+    nodes = {"nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "join_timeout"}
+    runs_flags = dests - {
+        "help",
+        "json",
+        "report",
+        "script",
+        "args",
+        "module",
+        "no_locate",
+        "no_isolate",
+        *nodes,
+    }
     assert runs_flags == set(cli.CHECK_FLAGS)
 
 
@@ -69,6 +80,7 @@ def test_assert_reproducible_takes_the_runs_options_by_keyword() -> None:
         "repro",
         "repro_threads",
         "poll_interval",
+        "nodes",
     }
     assert list(ASSERT_OPTIONS) == sorted(ASSERT_OPTIONS)
 

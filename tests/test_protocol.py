@@ -63,6 +63,7 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         compile_cache=draw(st.none() | paths),
         compile_probe=False if trace_step is None else draw(st.booleans()),
         nnodes=draw(counts),
+        relayed=draw(st.booleans()),
     )
 
 
@@ -100,6 +101,7 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "compile_cache",
         "compile_probe",
         "nnodes",
+        "relayed",
     }
 
 

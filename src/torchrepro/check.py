@@ -51,6 +51,7 @@ from torchrepro.check_runs import (
     CheckProgress,
     make_run,
     rank_notes,
+    relayed,
     same_rank,
     varied_workers,
     watch,
@@ -68,6 +69,7 @@ from torchrepro.launch import (
     start_notes,
     terminate_on_signals,
 )
+from torchrepro.nodes import Nodes
 from torchrepro.options import VARY_CHOICES, CheckOptions
 from torchrepro.portable import CBWR_VAR, CPU_CAPABILITY_VAR
 from torchrepro.protocol import INDUCTOR_CACHE_VAR, ChildSpec, python_hash_seed
@@ -229,6 +231,11 @@ def check_script(
     portable_notes = start_notes(base)  # a value it cannot use is refused before anything is created
     check_target(script, module, args, command="check")
     worlds = _world_sizes(opts.vary, opts.nproc, opts.runs)
+    control = None
+    if opts.nodes is not None:  # lead the check across nodes, or follow it (check_nodes)
+        from torchrepro.check_nodes import Relay, connect
+
+        control = connect(opts.nodes)
     commands = [  # validates nproc
         build_command(
             script,
@@ -236,6 +243,7 @@ def check_script(
             module=module,
             nproc=n,
             watch_writes=True,
+            nodes=None if control is None else Relay.nodes_of(control),
         )
         for i, n in enumerate(worlds)
     ]
@@ -247,6 +255,36 @@ def check_script(
     with terminate_on_signals(), contextlib.ExitStack() as cleanup:
         if layers is not None:
             cleanup.callback(layers.close)
+        if control is not None:
+            from torchrepro.check_nodes import Relay, follow, lead
+
+            if not control.leader:
+                return follow(control, check_dir, layers, poll_interval=opts.poll_interval)
+            relay = cleanup.enter_context(lead(control, check_dir))
+            cleanup.enter_context(relayed(relay))
+            result = _check(
+                check_dir,
+                commands,
+                base,
+                opts,
+                isolation=isolation,
+                layers=layers,
+                script=script,
+                module=module,
+                nprocs=worlds,
+                varied_args=None if later_args is None else _args_text(args, later_args),
+                progress=progress,
+                start_notes=portable_notes,
+                nodes=Relay.nodes_of(control),
+            )
+            relay.post(
+                {
+                    "verdict": result.to_dict(),
+                    "check_dir": os.path.abspath(result.check_dir),
+                    "stderr_tail": result.stderr_tail,
+                }
+            )
+            return result
         if opts.vary == "resume":
             from torchrepro.check_resume import check_resume
 
@@ -320,8 +358,11 @@ def _check(
     start_notes: Sequence[str] = (),
     repro_dir: Path | None = None,
     repro_threads: bool = False,
+    nodes: Nodes | None = None,
 ) -> CheckResult:
-    """The check of ``check_script``: ``commands`` holds each run's command line."""
+    """The check of ``check_script``: ``commands`` holds each run's command line (``nodes``: the
+    nodes each run spans, ``nprocs`` processes on each)."""
+    nnodes = 1 if nodes is None else nodes.nnodes
     runs, vary, serial, poll_interval = options.runs, options.vary, options.serial, options.poll_interval
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
     world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
@@ -332,7 +373,9 @@ def _check(
             for i, s in enumerate(specs)
         ]
     all_runs = [
-        make_run(i, check_dir / f"run{i}", commands[i], specs[i], ranks=nprocs[i] or 1, layers=layers)
+        make_run(
+            i, check_dir / f"run{i}", commands[i], specs[i], ranks=(nprocs[i] or 1) * nnodes, layers=layers
+        )
         for i in range(runs)
     ]
     for run in all_runs:
@@ -344,9 +387,10 @@ def _check(
                 run.env,
                 script=script,
                 module=module,
-                nproc=nprocs[run.index],
+                nproc=nprocs[run.index] or (1 if nnodes > 1 else None),
                 vary=vary,
                 run=run.index,
+                nodes=nodes,
             ),
         )
     notes = [n for n in [nproc_note(nproc), *start_notes] if n]
@@ -378,14 +422,15 @@ def _check(
         for run in all_runs:
             run.stop()
     ranks = max(run.ranks for run in all_runs)  # with the ranks the script started itself
-    unranked = rank_notes(all_runs, nproc)
+    unranked = rank_notes(all_runs, None if nproc is None and nnodes == 1 else (nproc or 1) * nnodes)
     notes.extend(unranked)
     together = [] if serial else [range(runs)]
     shared = shared_writes(
         [run.record_dir for run in all_runs], together, isolation=isolation, check_dir=check_dir
     )
     if failed is not None:
-        error = f"run {failed.index + 1} of {runs} failed with exit code {failed.returncode}"
+        how = failed.failure or f"with exit code {failed.returncode}"
+        error = f"run {failed.index + 1} of {runs} failed {how}"
         if shared:
             error += f" after {describe_shared(shared, isolation=isolation)}"
         result = CheckResult(
@@ -615,7 +660,8 @@ def _locate(
             for run in sides:
                 run.stop()
         if failed is not None:
-            notes.append(f"locating: the traced re-run failed with exit code {failed.returncode}")
+            how = failed.failure or f"with exit code {failed.returncode}"
+            notes.append(f"locating: the traced re-run failed {how}")
             return first, notes, None
         traces = [
             (r, runrecord.trace_path(base / "trace-a", r), runrecord.trace_path(base / "trace-b", r))

@@ -14,14 +14,16 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, Protocol
 
 from torchrepro import runrecord
 from torchrepro._child.overlay import Overlay
@@ -34,13 +36,29 @@ from torchrepro.protocol import ChildSpec
 from torchrepro.results import Divergence
 from torchrepro.runrecord import EventTail
 
+
+class Relay(Protocol):
+    """What a run spanning nodes needs of the other nodes (``check_nodes.Relay``)."""
+
+    @property
+    def nnodes(self) -> int: ...
+
+    def start(self, run: Run) -> list[str]: ...
+
+    def poll(self, run: Run, local: int | None) -> int | None: ...
+
+    def stop(self, run: Run, *, kill_local: Any) -> None: ...
+
+
 __all__ = [
     "CheckProgress",
     "Pair",
+    "Relay",
     "Run",
     "discover_ranks",
     "make_run",
     "rank_notes",
+    "relayed",
     "same_rank",
     "varied_workers",
     "watch",
@@ -70,8 +88,18 @@ class Run:
     stdout: IO[bytes] | None = None
     stderr: IO[bytes] | None = None
     returncode: int | None = None
+    spec: ChildSpec | None = None
+    # across nodes (check_nodes): the other nodes start, stop and forward their part of the run;
+    # failure says how it failed when that is more than its exit code here (a node named)
+    relay: Relay | None = None
+    launch: int | None = None
+    failure: str | None = None
+    failed_nodes: tuple[int, ...] = ()
+    failed_at: float | None = None
 
     def start(self) -> None:
+        if self.relay is not None:
+            self.command = self.relay.start(self)
         self.record_dir.mkdir(parents=True, exist_ok=True)
         self.stdout = open(self.record_dir / runrecord.STDOUT_FILE, "wb")  # noqa: SIM115
         self.stderr = open(self.record_dir / runrecord.STDERR_FILE, "wb")  # noqa: SIM115
@@ -104,23 +132,30 @@ class Run:
         if self.proc is None:  # not started yet (--serial)
             return False
         if self.returncode is None:
-            self.returncode = self.proc.poll()
+            local = self.proc.poll()
+            self.returncode = local if self.relay is None else self.relay.poll(self, local)
         for tail in self.tails:
             tail.poll()
         return self.returncode is not None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            kill_tree(self.proc.pid)
-            self.proc.wait()
-        elif self.proc is not None:
-            kill_tree(self.proc.pid)  # leftovers, e.g. DataLoader workers of a finished rank
+        if self.relay is not None:
+            self.relay.stop(self, kill_local=self._kill)
+        else:
+            self._kill()
         for f in (self.stdout, self.stderr):
             if f is not None:
                 f.close()
         if self.layers is not None:  # every process of the run has ended: its overlay is gone
             self.layers.collect(self.record_dir)
             self.layers = None
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        elif self.proc is not None:
+            kill_tree(self.proc.pid)  # leftovers, e.g. DataLoader workers of a finished rank
 
     def steps_done(self) -> int:
         if not self.tails:
@@ -131,8 +166,18 @@ class Run:
         return optimizer or sum(1 for e in events if is_step(e["kind"], e["key"], backward=True)) // 2
 
     def stderr_tail(self, lines: int = 25) -> str:
+        """The end of the run's stderr (across nodes: of each node whose part failed, headed)."""
+        if not self.failed_nodes:
+            return self._tail(runrecord.STDERR_FILE, lines)
+        tails = []
+        for n in self.failed_nodes:
+            name = runrecord.STDERR_FILE if n == 0 else f"stderr.node{n}.log"
+            tails.append(f"--- node {n}'s stderr, last lines ---\n" + self._tail(name, lines))
+        return "\n".join(tails)
+
+    def _tail(self, name: str, lines: int) -> str:
         try:
-            text = (self.record_dir / runrecord.STDERR_FILE).read_text(encoding="utf-8", errors="replace")
+            text = (self.record_dir / name).read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
         rows = text.rstrip().splitlines()
@@ -146,6 +191,18 @@ class Run:
 
 
 _OMP_WAIT = "OMP_WAIT_POLICY"
+
+_RELAY: ContextVar[Relay | None] = ContextVar("torchrepro_relay", default=None)
+
+
+@contextlib.contextmanager
+def relayed(relay: Relay) -> Iterator[None]:
+    """Every run ``make_run`` makes in the block spans the nodes of ``relay`` (``check_nodes``)."""
+    token = _RELAY.set(relay)
+    try:
+        yield
+    finally:
+        _RELAY.reset(token)
 
 
 def varied_workers(run: Run, ranks: int) -> tuple[str, str | None, str | None]:
@@ -186,6 +243,9 @@ def make_run(
     """A run recorded in ``record_dir``, not started; in a fresh layer of ``layers``, or in
     ``overlay`` (a layer handed over from a run that ended: ``Layers.hand_over``)."""
     spec = spec.replace(record_dir=os.fspath(record_dir.resolve()))
+    relay = _RELAY.get()
+    if relay is not None:  # the other nodes forward their ranks' records (check_nodes), none ships
+        spec = spec.replace(nnodes=relay.nnodes, relayed=True)
     if overlay is None and layers is not None:
         overlay = layers.overlay(record_dir)
     env = spec.to_env()
@@ -202,6 +262,8 @@ def make_run(
         ranks=ranks,
         overlay=overlay,
         layers=layers,
+        spec=spec,
+        relay=relay,
     )
 
 
@@ -328,6 +390,9 @@ def watch(
                 last_steps = steps
                 progress(CheckProgress(phase="running", steps=steps))
         time.sleep(poll_interval)
+    for run in runs:  # across nodes: the other nodes' events up to the stop are here once it stopped
+        if run.relay is not None and run.proc is not None:
+            run.stop()
     discover_ranks(runs, cursors, pair)
     for run in runs:  # events written up to the stop still count
         run.poll()

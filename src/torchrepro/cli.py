@@ -131,13 +131,20 @@ def _add_portable(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_nodes(p: argparse.ArgumentParser) -> None:
-    """torchrun's multi-node flags, spelled and meaning what they mean there (``nodes``)."""
+def _add_nodes(p: argparse.ArgumentParser, *, check: bool = False) -> None:
+    """torchrun's multi-node flags, spelled and meaning what they mean there (``nodes``); ``check``:
+    the check on the endpoint's host leads the others (``check_nodes``)."""
     from torchrepro.nodes import BACKENDS, DEFAULT_RDZV_ID, JOIN_TIMEOUT
 
     g = p.add_argument_group(
         "several nodes",
-        "give the same flags on every node (but --node-rank); see docs/nodes.md",
+        "give the same flags on every node (but --node-rank); see docs/nodes.md"
+        + (
+            "; the check on the --rdzv-endpoint host (--node-rank 0) leads: its flags decide every run "
+            "and it prints the verdict, which every node exits with"
+            if check
+            else ""
+        ),
     )
     g.add_argument(
         "--nnodes",
@@ -322,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--nproc",
         type=nproc_type,
         default=None,
-        help="launch N ranks per run through torchrun (with --vary world: the later runs' ranks)",
+        help="launch N ranks per run through torchrun, on each node (--vary world: the later runs' ranks)",
     )
+    _add_nodes(p, check=True)
     p.add_argument("--seed", type=seed_type, default=0, help="the runs' seed, 0 to 2**64-1 (default 0)")
     p.add_argument("--mode", choices=MODES, default="strict", help=mode_help)
     p.add_argument("--threads", type=threads_type, default=None, help="pin torch/OMP/MKL threads to N")
@@ -590,7 +598,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if result.error is not None:
         # runs that wrote the same paths outside the isolation failed because of each other: the
         # error names them and the ways out, and is not called a failure of the script
-        failed = "" if result.shared_writes else "the script failed: "
+        failed = "" if result.shared_writes or result.node_failed else "the script failed: "
         print(f"torchrepro check: {failed}{result.error}", file=sys.stderr)
         if result.stderr_tail:
             print(result.stderr_tail, file=sys.stderr)
@@ -612,6 +620,7 @@ def check_options(args: argparse.Namespace) -> CheckOptions:
     report = args.report is not None
     return CheckOptions(
         **same,
+        nodes=_nodes(args),
         locate=not args.no_locate,
         isolate=not args.no_isolate,
         steps_after_divergence=REPORT_STEPS_AFTER if report else 0,

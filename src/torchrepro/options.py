@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torchrepro.errors import SettingsError
+from torchrepro.nodes import Nodes
 
 __all__ = ["ASSERT_OPTIONS", "VARY_CHOICES", "CheckOptions"]
 
@@ -42,6 +43,8 @@ class CheckOptions:
     ``resume_at``: with ``vary="resume"``, the optimizer steps after which the later run is killed
     (one killed and restarted run per point; None: the middle of the first run's steps);
     ``resume_args``: arguments added to the command that starts a killed run again.
+    ``nodes``: every run spans these nodes (``nodes.Nodes``; the same check runs on every node,
+    ``check_nodes``), ``nproc`` processes on each.
     """
 
     runs: int = 2
@@ -64,6 +67,7 @@ class CheckOptions:
     poll_interval: float = 0.05
     resume_at: tuple[int, ...] | None = None
     resume_args: tuple[str, ...] = ()
+    nodes: Nodes | None = None
 
     def __post_init__(self) -> None:
         if self.resume_at is not None:
@@ -100,6 +104,8 @@ class CheckOptions:
             raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {self.vary!r}")
         if self.steps_after_divergence < 0:
             raise SettingsError(f"steps_after_divergence must be >= 0, got {self.steps_after_divergence}")
+        if self.nodes is not None:
+            _across_nodes(self)
         if self.repro is not None and not self.locate:
             raise SettingsError("--repro writes a script of the op that locating finds; drop --no-locate")
 
@@ -143,8 +149,37 @@ def _steps_list(value: Any) -> tuple[int, ...]:
 ASSERT_OPTIONS = tuple(
     sorted(
         set(CheckOptions.fields())
-        - {"runs", "steps", "vary", "steps_after_divergence", "repro", "repro_threads", "poll_interval"}
+        - {
+            "runs",
+            "steps",
+            "vary",
+            "steps_after_divergence",
+            "repro",
+            "repro_threads",
+            "poll_interval",
+            "nodes",
+        }
     )
 )
 """The keyword options of ``assert_reproducible`` beyond ``steps``, ``vary`` and ``runs`` (which it
 takes by name): ``CheckOptions``' fields but those only a report or the command line sets."""
+
+
+NOT_ACROSS_NODES = ("world", "resume", "compile")
+"""``--vary`` choices a check across nodes refuses (they run on one node)."""
+
+
+def _across_nodes(options: CheckOptions) -> None:
+    """Refuse what a check across nodes does not do, with the way to do it on one node."""
+    if not isinstance(options.nodes, Nodes):
+        raise SettingsError(f"nodes must be a torchrepro.nodes.Nodes, got {options.nodes!r}")
+    if options.vary in NOT_ACROSS_NODES:
+        raise SettingsError(
+            f"--vary {options.vary} is not supported across nodes (--nnodes {options.nodes.nnodes}); "
+            f"check it on one node: torchrepro check --vary {options.vary} --nproc N script.py"
+        )
+    if options.repro is not None:
+        raise SettingsError(
+            "--repro is not supported across nodes: check on one node with --repro DIR to write the "
+            "standalone script"
+        )

@@ -41,6 +41,7 @@ __all__ = [
     "MKL_THREADS_VAR",
     "OMP_THREADS_VAR",
     "PARENT_RANK_VAR",
+    "PATH_FIELDS",
     "RELAUNCHED_VAR",
     "SITE_DIR",
     "START_VARIABLES",
@@ -105,6 +106,7 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "compile_cache": ("COMPILE_CACHE", "path"),
     "compile_probe": ("COMPILE_PROBE", "bool"),
     "nnodes": ("NNODES", "int"),
+    "relayed": ("RELAYED", "bool"),
 }
 
 COMPILE_CHOICES = ("eager", "compiled")
@@ -116,6 +118,9 @@ COMPILE_OFF_VARS = ("TORCH_COMPILE_DISABLE", "TORCHDYNAMO_DISABLE")
 INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 TRITON_CACHE_VAR = "TRITON_CACHE_DIR"
 """Where Inductor (and Triton, on GPU) keep compiled kernels: ``compile_cache`` points both there."""
+
+PATH_FIELDS = tuple(name for name, (_, kind) in _VARIABLES.items() if kind == "path")
+"""``ChildSpec`` fields that are paths the child writes below (a check across nodes re-roots them)."""
 
 LOCATION_VARIABLES = (
     *(ENV_PREFIX + var for var, kind in _VARIABLES.values() if kind == "path"),
@@ -178,7 +183,8 @@ class ChildSpec:
     eager runs of the same graphs (``tracing.compiled``) instead of tracing ops, which compiled code
     does not dispatch one by one. ``nnodes``: the run's ranks span that many nodes (``nodes``); at
     exit every rank ships its record files to the node holding global rank 0 (``_child.ship``),
-    and each node's local rank 0 records the node's environment (``runrecord.node_env_path``).
+    and each node's local rank 0 records the node's environment (``runrecord.node_env_path``);
+    ``relayed``: a check across nodes forwards the records itself (``check_nodes``): no rank ships.
     """
 
     seed: int | None = None
@@ -204,6 +210,7 @@ class ChildSpec:
     compile_cache: str | None = None
     compile_probe: bool = False
     nnodes: int | None = None
+    relayed: bool = False
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES

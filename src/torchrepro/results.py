@@ -75,6 +75,12 @@ def processes(n: int) -> str:
     return f"{n} process{'es' if n != 1 else ''}"
 
 
+NODE_LOST = "stopped answering"
+"""In a check across nodes: the words of an error that names a lost node (``check_nodes``)."""
+_NOT_THE_SCRIPT = ("this node lost the check", "the check on node 0 ended")
+"""How a follower's error starts when the check, not the script, ended it (``check_nodes``)."""
+
+
 @dataclass(frozen=True)
 class Divergence:
     """Where two runs first part: ``kind`` (init/data/compute/record), ``step``, ``rank``.
@@ -586,9 +592,57 @@ class CheckResult:
         return Outcome.of(self.reproducible, failed=self.error is not None)
 
     @property
+    def node_failed(self) -> bool:
+        """Across nodes: the check failed because a node, or the leading check, was lost (not the
+        script)."""
+        error = self.error or ""
+        return NODE_LOST in error or error.startswith(_NOT_THE_SCRIPT)
+
+    @property
     def inconclusive(self) -> bool:
         """No divergence, but not enough was compared to call the script reproducible."""
         return self.outcome is Outcome.INCONCLUSIVE
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, check_dir: str | None = None) -> CheckResult:
+        """A verdict read back from ``to_dict``'s object (what a check across nodes sends its other
+        nodes, ``check_nodes``): the outcome, the first divergence, coverage, notes and isolation;
+        ``check_dir`` in place of the one it names."""
+        first = d.get("first_divergence")
+        divergence = None
+        if first is not None:
+            shape = first.get("shape")
+            divergence = Divergence(
+                **{
+                    k: first.get(k)
+                    for k in ("step", "rank", "kind", "op", "module", "location", "key", "name")
+                },
+                shape=None if shape is None else tuple(shape),
+                dtype=first.get("dtype"),
+            )
+        covered = d.get("coverage")
+        coverage = None
+        if covered is not None:
+            per_rank = {int(r): dict(c) for r, c in covered.get("per_rank", {}).items()}
+            expected = sorted({*per_rank, *map(int, covered.get("uncovered_ranks", []))})
+            coverage = Coverage(per_rank=per_rank, ranks_expected=tuple(expected))
+        isolation = d.get("isolation")
+        return cls(
+            reproducible=d.get("reproducible"),
+            runs=int(d.get("runs", 0)),
+            steps_compared=int(d.get("steps_compared", 0)),
+            first_divergence=divergence,
+            check_dir=str(d.get("check_dir", "")) if check_dir is None else check_dir,
+            error=d.get("error"),
+            notes=tuple(d.get("notes", ())),
+            coverage=coverage,
+            isolation=None if isolation is None else Isolation(**isolation),
+            shared_writes=tuple(d.get("shared_writes", ())),
+            reason=d.get("reason"),
+            varied=d.get("varied"),
+            optimizer_steps=dict(d.get("steps_per_optimizer", {})),
+            portable=d.get("portable"),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The ``check --json`` object and ``verdict.json`` (``error`` only when a run failed,

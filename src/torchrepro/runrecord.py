@@ -175,6 +175,11 @@ def new_run_dir(root: str | os.PathLike[str] = RUNS_ROOT) -> Path:
     raise LaunchError(f"could not create a unique run directory under {base}")  # pragma: no cover
 
 
+def is_events_file(name: str) -> bool:
+    """Whether ``name`` is a rank's events file (``events.rank<R>.jsonl``)."""
+    return _EVENTS_RE.match(name) is not None
+
+
 def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """The events file of ``rank`` in the run record ``run_dir``."""
     return Path(run_dir) / f"events.rank{rank}.jsonl"

@@ -349,7 +349,8 @@ class Session:
     @property
     def ships(self) -> bool:
         """Whether this process's records travel to the node of rank 0 at its end (``_child.ship``)."""
-        return self.main and bool(self.spec.record_dir) and (self.spec.nnodes or 1) > 1
+        spec = self.spec
+        return self.main and bool(spec.record_dir) and (spec.nnodes or 1) > 1 and not spec.relayed
 
     def ship(self, *, failed: bool) -> None:
         """After ``close``: send this rank's records to the node of global rank 0 (rank 0: receive

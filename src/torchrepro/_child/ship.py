@@ -44,7 +44,8 @@ CONNECT_TIMEOUT = 10.0
 """Seconds a rank waits to reach the store, and for rank 0's token (rank 0 too, when its script
 failed: a peer it lost will send nothing)."""
 CHUNK = 8 << 20
-"""The largest value one store key holds, in bytes."""
+"""The largest value one store key holds, in bytes: the store's own limit (a larger value makes
+torch's libuv ``TCPStore`` drop the connection)."""
 
 _MARKER = ".torchrepro-ship-"
 _RANKED = re.compile(r"(?:^|\.)rank(\d+)(?:\.|$)")

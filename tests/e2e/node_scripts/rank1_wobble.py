@@ -1,6 +1,7 @@
 """DDP on gloo where only rank 1 scales its activations by a process-dependent factor: two runs
 part at rank 1 (``torchrepro compare`` must name rank 1, its node and this line). With
-``--sleep S`` every step first waits S seconds (a run long enough to kill a node in)."""
+``--sleep S`` every step first waits S seconds (a run long enough to kill a node in); with
+``--steady`` rank 1 does not wobble (the same script, reproducible: the negative control)."""
 
 import os
 import sys
@@ -13,7 +14,7 @@ from torch import nn
 
 class Wobble(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if dist.get_rank() == 1:
+        if dist.get_rank() == 1 and "--steady" not in sys.argv:
             x = x * (1.0 + (os.getpid() % 1013) * 1e-6)  # nodes: rank 1 mul
         return x
 
