@@ -41,7 +41,9 @@ from torchrepro.runrecord import events_path, write_env
             {"runs": 2, "steps": None, "nproc": None, "seed": 0, "mode": "strict", "threads": None}
             | {"cpu_capability": None, "portable": False, "no_seed": False, "vary": None, "no_locate": False}
             | {"serial": False, "no_isolate": False, "json": False, "module": None, "script": "t.py"}
-            | {"args": [], "report": None, "repro": None, "resume_at": None, "resume_args": ()},
+            | {"args": [], "report": None, "repro": None, "resume_at": None, "resume_args": ()}
+            | {"nnodes": None, "node_rank": None, "rdzv_endpoint": None, "rdzv_backend": "c10d"}
+            | {"rdzv_id": "torchrepro", "join_timeout": 300},
         ),
         (["compare", "a", "b"], {"run_a": "a", "run_b": "b", "json": False, "report": None}),
         (["audit", "t.py"], {"json": False, "steps": 1, "module": None, "script": "t.py", "args": []}),

@@ -158,3 +158,31 @@ def test_the_check_command_line_takes_the_node_flags() -> None:
     assert failed("run 1 of 2 failed because node 1 (host h) stopped answering for 10 s").node_failed
     assert failed("this node lost the check on node 0 (host h) at h:1 (DistNetworkError: reset)").node_failed
     assert not failed("run 1 of 2 failed with exit code 1 on node 1 (host h)").node_failed
+
+
+def test_a_node_started_with_other_settings_than_the_leader_is_refused_before_anything_runs() -> None:
+    import threading
+
+    from torchrepro.check_nodes import connect
+    from torchrepro.errors import LaunchError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = Nodes(2, f"127.0.0.1:{port}", join_timeout=3)
+    leading: list[BaseException] = []
+
+    def lead() -> None:
+        try:
+            connect(Nodes(2, nodes.endpoint, node_rank=0, join_timeout=3), {"steps": 3, "args": ["a"]})
+        except LaunchError as exc:
+            leading.append(exc)
+
+    leader = threading.Thread(target=lead)
+    leader.start()
+    with pytest.raises(
+        LaunchError, match=r"other settings than the check it joined .*steps: 5 here, 3 there"
+    ):
+        connect(Nodes(2, nodes.endpoint, node_rank=1, join_timeout=3), {"steps": 5, "args": ["a"]})
+    leader.join()
+    assert "1 of 2 nodes joined the check" in str(leading[0])  # the refused node never joined

@@ -127,6 +127,13 @@ def _run_spec(base: ChildSpec, vary: str | None, index: int, *, seed: int) -> Ch
     raise SettingsError(f"vary must be one of {VARY_CHOICES} or None, got {vary!r}")
 
 
+_AGREED = (
+    *("runs", "steps", "nproc", "seed", "mode", "threads", "cpu_capability", "no_seed", "vary"),
+    *("portable", "serial", "locate", "isolate"),
+)
+"""The options every node of a check across nodes must be started with (the leader's decide)."""
+
+
 def _world_sizes(vary: str | None, nproc: int | None, runs: int) -> list[int | None]:
     """The ``--nproc`` of each run: ``nproc`` for all, or with ``--vary world`` 1 process for the
     first run and ``nproc`` (default 2) for the others."""
@@ -235,7 +242,11 @@ def check_script(
     if opts.nodes is not None:  # lead the check across nodes, or follow it (check_nodes)
         from torchrepro.check_nodes import Relay, connect
 
-        control = connect(opts.nodes)
+        agreed: dict[str, Any] = {"script": script, "module": module, "args": list(args)}
+        agreed["later_args"] = None if later_args is None else list(later_args)
+        for name in _AGREED:
+            agreed[name] = getattr(opts, name)
+        control = connect(opts.nodes, agreed)
     commands = [  # validates nproc
         build_command(
             script,
@@ -511,6 +522,8 @@ def _check(
                 poll_interval=poll_interval,
             )
         notes.append(repro_note)
+    if nnodes > 1:
+        notes.extend(_node_notes(all_runs[0], first))
     reproducible: bool | None = first is None
     inconclusive = None
     if first is None:
@@ -571,6 +584,18 @@ def _check(
     )
     runrecord.write_verdict(check_dir, result.to_dict())
     return result
+
+
+def _node_notes(a: Any, first: Divergence | None) -> list[str]:
+    """Across nodes: the node (and host) of the first divergence's rank, and every node whose
+    environment differs, in what can change bits, from the leader's (``compare.settings``)."""
+    from torchrepro.compare.settings import node_notes
+
+    try:
+        record = runrecord.load_run(a.record_dir)  # every run of a check ran on the same nodes
+    except ReproError:
+        return []  # a run that recorded nothing: the verdict says so already
+    return list(dict.fromkeys(node_notes(record, record, None if first is None else first.rank)))
 
 
 def _compile_scope(all_runs: Sequence[Any], graph: str | None) -> CompileScope:

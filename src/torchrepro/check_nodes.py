@@ -149,9 +149,12 @@ class Control:
         self.store = None
 
 
-def connect(nodes: Nodes) -> Control:
+def connect(nodes: Nodes, agreed: dict[str, Any] | None = None) -> Control:
     """Lead or join the check at ``nodes.endpoint`` (see the invariants); ``LaunchError`` with one
-    line when a node is missing after ``nodes.join_timeout`` seconds."""
+    line when a node is missing after ``nodes.join_timeout`` seconds, or when this node was started
+    with other ``agreed`` values (the script, its arguments, the options of the runs) than the
+    leader: the leader's would decide every run, silently."""
+    agreed = dict(agreed or {})
     from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
     host, port = _endpoint(nodes)
@@ -169,7 +172,8 @@ def connect(nodes: Nodes) -> Control:
                 ) from None
         if server is not None:
             control = Control(nodes, PrefixStore(_PREFIX, server), 0, host, port, {0: socket.gethostname()})
-            control.store.set("config", json.dumps({"nnodes": nodes.nnodes, "host": socket.gethostname()}))
+            config = {"nnodes": nodes.nnodes, "host": socket.gethostname(), "agreed": agreed}
+            control.store.set("config", json.dumps(config))
             _wait_for_nodes(control)
             return control
     try:
@@ -188,6 +192,14 @@ def connect(nodes: Nodes) -> Control:
         raise LaunchError(
             f"this node says --nnodes {nodes.nnodes} but the check it joined at {nodes.endpoint} says "
             f"--nnodes {config['nnodes']}: give every node the same flags"
+        )
+    theirs = config.get("agreed", {})
+    differ = [k for k in sorted(set(agreed) | set(theirs)) if agreed.get(k) != theirs.get(k)]
+    if differ:
+        said = "; ".join(f"{k}: {agreed.get(k)!r} here, {theirs.get(k)!r} there" for k in differ)
+        raise LaunchError(
+            f"this node was started with other settings than the check it joined at {nodes.endpoint} "
+            f"({said}): give every node the same command"
         )
     node = int(store.add("joined", 1))
     if node >= nodes.nnodes:
@@ -616,9 +628,10 @@ def _verdict(payload: dict[str, Any], control: Control, check_dir: Path) -> Chec
             error=str(payload.get("error") or "the check ended without a verdict"),
             notes=(here,),
         )
-    result = CheckResult.from_dict(verdict, check_dir=f"{control.where(0)}:{payload.get('check_dir')}")
+    result = CheckResult.from_dict(verdict, check_dir=str(payload.get("check_dir")))
     return dataclasses.replace(
         result,
+        leader=control.where(0),
         stderr_tail=str(payload.get("stderr_tail") or ""),
         notes=(*result.notes, here + f"; the verdict and every rank's records are on {control.where(0)}"),
     )

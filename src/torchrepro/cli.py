@@ -591,7 +591,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if tty:
         print(file=sys.stderr)
     verdict = result.to_dict()
-    if args.report is not None:
+    if args.report is not None and result.leader is not None:
+        print(
+            f"torchrepro check: no report here: the records are on {result.leader}, which writes the "
+            "report when its check was given --report",
+            file=sys.stderr,
+        )
+    elif args.report is not None:
         from torchrepro.report import write_check_report
 
         print(f"torchrepro check: report in {write_check_report(args.report, result)}", file=sys.stderr)
@@ -608,7 +614,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(json.dumps(verdict, allow_nan=False))
     elif result.error is None:
         print("\n".join(describe_check(result)))
-    print(f"torchrepro check: records in {result.check_dir}", file=sys.stderr)
+    where = "" if result.leader is None else f"{result.leader}, "
+    print(f"torchrepro check: records in {where}{result.check_dir}", file=sys.stderr)
     return result.outcome.exit_code
 
 

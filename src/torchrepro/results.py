@@ -585,6 +585,9 @@ class CheckResult:
     repro: Repro | None = None
     resume: ResumeScope | None = None
     compile: CompileScope | None = None
+    leader: str | None = None
+    """Across nodes, on a node that did not lead: the leader (``node 0 (host h)``), whose machine
+    ``check_dir`` is on (None: this machine)."""
 
     @property
     def outcome(self) -> Outcome:

@@ -37,19 +37,24 @@ def _check(port: int, node_rank: int | None, *args: str, timeout: int = 120) -> 
 
 
 def start_checks(
-    root: Path, name: str, *args: str, ranks: tuple[int | None, ...] = (None, None)
+    root: Path,
+    name: str,
+    *args: str,
+    ranks: tuple[int | None, ...] = (None, None),
+    threads: tuple[int, int] = (1, 1),
 ) -> tuple[list[Path], list[subprocess.Popen[str]]]:
-    """Start the check on two 'nodes', each in its own directory under ``root / name``."""
+    """Start the check on two 'nodes', each in its own directory under ``root / name``, with
+    ``threads`` OpenMP threads each."""
     port = free_port()
     dirs = [root / name / f"node{i}" for i in range(2)]
     procs = []
-    for d, rank in zip(dirs, ranks, strict=True):
+    for d, rank, n in zip(dirs, ranks, threads, strict=True):
         d.mkdir(parents=True)
         procs.append(
             subprocess.Popen(
                 _check(port, rank, *args),
                 cwd=d,
-                env=user_env(OMP_NUM_THREADS="1"),
+                env=user_env(OMP_NUM_THREADS=str(n)),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -71,9 +76,9 @@ def finish(dirs: list[Path], procs: list[subprocess.Popen[str]]) -> list[dict[st
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("check_nodes")
-    return {
-        name: finish(*start_checks(root, name, str(WOBBLE), *args))
-        for name, args in (("steady", ("--steady",)), ("wobble", ()))
+    return {  # the steady check's nodes run with other thread counts: the verdict names the node
+        "steady": finish(*start_checks(root, "steady", str(WOBBLE), "--steady", threads=(1, 2))),
+        "wobble": finish(*start_checks(root, "wobble", str(WOBBLE))),
     }
 
 
@@ -103,6 +108,9 @@ def test_a_reproducible_ddp_script_passes_on_every_node(checks: dict[str, list[d
         f"the verdict and every rank's records are on node 0 (host {os.uname().nodename})"
         in follower["stderr"]
     )
+    # the nodes run with 1 and 2 threads: not a divergence of this script, but the verdict says it
+    (other,) = [n for n in leader["verdict"]["notes"] if "runs in another environment than node 0" in n]
+    assert "node 1 (host " in other and "num_threads" in other, other
     # the follower wrote nothing into its working directory but its own check records
     assert sorted(p.name for p in follower["dir"].iterdir()) == [".torchrepro"]
 
@@ -121,6 +129,7 @@ def test_a_rank_1_nondeterminism_on_the_other_node_is_caught_and_located(
         first = node["verdict"]["first_divergence"]
         assert (first["rank"], first["step"], first["op"]) == (1, 0, "aten.mul.Tensor"), first
         assert first["location"].endswith(f"rank1_wobble.py:{line}")
+        assert f"rank 1 ran on node 1 (host {os.uname().nodename})" in node["verdict"]["notes"]
     leader = _leader(checks["wobble"])
     # located from rank 1's op trace, which the other node wrote and forwarded
     assert list(_records(leader).glob("locate*/trace-b.rank1"))
