@@ -266,6 +266,7 @@ def check_script(
     with terminate_on_signals(), contextlib.ExitStack() as cleanup:
         if layers is not None:
             cleanup.callback(layers.close)
+        relay = None
         if control is not None:
             from torchrepro.check_nodes import Relay, follow, lead
 
@@ -273,30 +274,7 @@ def check_script(
                 return follow(control, check_dir, layers, poll_interval=opts.poll_interval)
             relay = cleanup.enter_context(lead(control, check_dir))
             cleanup.enter_context(relayed(relay))
-            result = _check(
-                check_dir,
-                commands,
-                base,
-                opts,
-                isolation=isolation,
-                layers=layers,
-                script=script,
-                module=module,
-                nprocs=worlds,
-                varied_args=None if later_args is None else _args_text(args, later_args),
-                progress=progress,
-                start_notes=portable_notes,
-                nodes=Relay.nodes_of(control),
-            )
-            relay.post(
-                {
-                    "verdict": result.to_dict(),
-                    "check_dir": os.path.abspath(result.check_dir),
-                    "stderr_tail": result.stderr_tail,
-                }
-            )
-            return result
-        if opts.vary == "resume":
+        if opts.vary == "resume":  # refused across nodes (options)
             from torchrepro.check_resume import check_resume
 
             resume_command = build_command(
@@ -315,7 +293,7 @@ def check_script(
                 progress=progress,
                 start_notes=[n for n in [nproc_note(opts.nproc), *portable_notes] if n],
             )
-        return _check(
+        result = _check(
             check_dir,
             commands,
             base,
@@ -330,7 +308,12 @@ def check_script(
             start_notes=portable_notes,
             repro_dir=repro_dir,
             repro_threads=repro_threads,
+            nodes=None if control is None else Relay.nodes_of(control),
         )
+        if relay is not None:  # every other node prints this verdict and exits with its code
+            where = os.path.abspath(result.check_dir)
+            relay.post({"verdict": result.to_dict(), "check_dir": where, "stderr_tail": result.stderr_tail})
+        return result
 
 
 _OPTED_OUT = "--no-isolate"

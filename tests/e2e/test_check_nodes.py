@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from helpers import free_port, marked_line, user_env
+from helpers import free_port, marked_line, processes_with, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -135,19 +135,6 @@ def test_a_rank_1_nondeterminism_on_the_other_node_is_caught_and_located(
     assert list(_records(leader).glob("locate*/trace-b.rank1"))
 
 
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if token.encode() in cmdline and int(entry) != os.getpid():
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc")
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_node_killed_mid_check_is_named_and_nothing_is_left_running(tmp_path: Path, killed: int) -> None:
@@ -173,9 +160,9 @@ def test_a_node_killed_mid_check_is_named_and_nothing_is_left_running(tmp_path: 
     else:
         assert verdict["error"].startswith("this node lost the check on node 0"), verdict
     deadline = time.monotonic() + 30
-    while _processes_with(token) and time.monotonic() < deadline:
+    while processes_with(token) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_with(token) == []
+    assert processes_with(token) == []
 
 
 @pytest.mark.parametrize("node_rank", [0, 1])

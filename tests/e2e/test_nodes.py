@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from helpers import free_port, marked_line, torchrepro, user_env
+from helpers import free_port, marked_line, processes_with, torchrepro, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -168,19 +168,6 @@ def test_a_node_whose_environment_differs_is_named(launches: dict[str, Any], tmp
         assert "num_threads" in note
 
 
-def _processes_with(token: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if token.encode() in cmdline:
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc")
 def test_a_node_killed_mid_run_ends_the_run_everywhere_and_leaves_nothing_running(tmp_path: Path) -> None:
     token = f"torchrepro-kill-{os.getpid()}"
@@ -200,9 +187,9 @@ def test_a_node_killed_mid_run_ends_the_run_everywhere_and_leaves_nothing_runnin
     lost = f"torchrepro: this node lost the rendezvous at 127.0.0.1:{port} (id kill)"
     assert re.search(r"torchrepro: rank [01] failed with", err) or lost in err, err[-3000:]
     deadline = time.monotonic() + 30
-    while _processes_with(token) and time.monotonic() < deadline:
+    while processes_with(token) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _processes_with(token) == []
+    assert processes_with(token) == []
 
 
 @pytest.mark.parametrize("backend", ["c10d", "static"])

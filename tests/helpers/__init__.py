@@ -117,6 +117,20 @@ def needs_isolation() -> None:
         pytest.skip(f"needs a check's write isolation, which this machine refuses: {found['reason']}")
 
 
+def processes_with(token: str) -> list[int]:
+    """The pids of the processes (not this one) whose command line holds ``token`` (via /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if token.encode() in cmdline:
+                found.append(int(entry))
+    return found
+
+
 def marked_line(path: Path, marker: str) -> int:
     """The number of the line of ``path`` that ends with the comment ``# <marker>``."""
     for number, text in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
