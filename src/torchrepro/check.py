@@ -239,6 +239,7 @@ def check_script(
     check_target(script, module, args, command="check")
     worlds = _world_sizes(opts.vary, opts.nproc, opts.runs)
     control = None
+    launch_nodes = None  # across nodes: what each run's torchrun launch is given
     if opts.nodes is not None:  # lead the check across nodes, or follow it (check_nodes)
         from torchrepro.check_nodes import Relay, connect
 
@@ -247,6 +248,7 @@ def check_script(
         for name in _AGREED:
             agreed[name] = getattr(opts, name)
         control = connect(opts.nodes, agreed)
+        launch_nodes = Relay.nodes_of(control)
     commands = [  # validates nproc
         build_command(
             script,
@@ -254,7 +256,7 @@ def check_script(
             module=module,
             nproc=n,
             watch_writes=True,
-            nodes=None if control is None else Relay.nodes_of(control),
+            nodes=launch_nodes,
         )
         for i, n in enumerate(worlds)
     ]
@@ -268,7 +270,7 @@ def check_script(
             cleanup.callback(layers.close)
         relay = None
         if control is not None:
-            from torchrepro.check_nodes import Relay, follow, lead
+            from torchrepro.check_nodes import follow, lead
 
             if not control.leader:
                 return follow(control, check_dir, layers, poll_interval=opts.poll_interval)
@@ -308,7 +310,7 @@ def check_script(
             start_notes=portable_notes,
             repro_dir=repro_dir,
             repro_threads=repro_threads,
-            nodes=None if control is None else Relay.nodes_of(control),
+            nodes=launch_nodes,
         )
         if relay is not None:  # every other node prints this verdict and exits with its code
             where = os.path.abspath(result.check_dir)
@@ -416,7 +418,7 @@ def _check(
         for run in all_runs:
             run.stop()
     ranks = max(run.ranks for run in all_runs)  # with the ranks the script started itself
-    unranked = rank_notes(all_runs, None if nproc is None and nnodes == 1 else (nproc or 1) * nnodes)
+    unranked = rank_notes(all_runs, (nproc or 1) * nnodes)  # the ranks torchrepro started
     notes.extend(unranked)
     together = [] if serial else [range(runs)]
     shared = shared_writes(

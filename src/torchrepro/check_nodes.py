@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 
 from torchrepro import runrecord
 from torchrepro._child.ship import CHUNK as STORE_VALUE_MAX
+from torchrepro._child.ship import LAUNCHER_FILES
 from torchrepro._io import TMP_SUFFIX
 from torchrepro.errors import LaunchError
 from torchrepro.nodes import Nodes
 from torchrepro.protocol import PATH_FIELDS, ChildSpec
-from torchrepro.results import NODE_LOST
+from torchrepro.results import LEADER_ENDED, LOST_LEADER, NODE_LOST
 
 if TYPE_CHECKING:
     from torchrepro.check_runs import Run
@@ -66,15 +67,6 @@ CHUNK = STORE_VALUE_MAX - (64 << 10)
 """The largest piece of a file one store value carries, in bytes (room left for its header)."""
 
 _PREFIX = "torchrepro/check/"
-_KEPT = (
-    runrecord.COMMAND_FILE,
-    runrecord.SETTINGS_FILE,
-    runrecord.STDOUT_FILE,
-    runrecord.STDERR_FILE,
-    runrecord.LOCK_FILE,
-    runrecord.ENV_FILE,
-)
-"""A follower's launcher files of a run: its own, never forwarded (its stderr goes under another name)."""
 
 
 def _endpoint(nodes: Nodes) -> tuple[str, int]:
@@ -255,6 +247,7 @@ class Relay:
             n: (None, time.monotonic()) for n in control.followers
         }
         self.lost: dict[int, str] = {}
+        self.failed_at: dict[int, float] = {}  # launch -> when this node's part failed
 
     @property
     def nnodes(self) -> int:
@@ -349,9 +342,8 @@ class Relay:
                 return None
             local = 0  # a follower's part failed: the run failed, whatever this node's part does
         elif local != 0 and len(ended) < self.nnodes - 1:
-            if run.failed_at is None:
-                run.failed_at = time.monotonic()
-            if time.monotonic() - run.failed_at < NODE_TIMEOUT:
+            failed_at = self.failed_at.setdefault(k, time.monotonic())
+            if time.monotonic() - failed_at < NODE_TIMEOUT:
                 return None  # the other parts end soon (their peer is gone): say which failed
         elif len(ended) < self.nnodes - 1:
             return None
@@ -402,7 +394,7 @@ def lead(control: Control, check_dir: Path) -> Iterator[Relay]:
         yield relay
     except BaseException as exc:
         with contextlib.suppress(Exception):
-            relay.post({"error": f"the check on node 0 ended: {type(exc).__name__}: {exc}"})
+            relay.post({"error": f"{LEADER_ENDED}: {type(exc).__name__}: {exc}"})
         raise
     finally:
         control.close()
@@ -468,7 +460,7 @@ class _Outbox:
                 name = path.name
                 if (
                     name.startswith(prefix)
-                    and name not in _KEPT
+                    and name not in LAUNCHER_FILES  # a follower's own (its stderr goes under another name)
                     and TMP_SUFFIX not in name
                     and not name.startswith(".")
                     and path.is_file()
@@ -516,7 +508,7 @@ class _Outbox:
             data = stderr.read_bytes()
         except OSError:
             data = b""
-        self._send(rel, f"stderr.node{self.control.node}.log", 0, data)
+        self._send(rel, runrecord.node_stderr_name(self.control.node), 0, data)
 
 
 @dataclasses.dataclass
@@ -601,7 +593,7 @@ def follow(control: Control, check_dir: Path, layers: Layers | None, *, poll_int
                     part.outbox.stream()
             time.sleep(poll_interval)
     except Exception as exc:
-        lost = f"this node lost the check on {where} ({type(exc).__name__}: {exc})"
+        lost = f"{LOST_LEADER} on {where} ({type(exc).__name__}: {exc})"
         payload = {"error": f"{lost}; its runs here were stopped"}
     finally:
         stop.set()

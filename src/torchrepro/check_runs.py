@@ -95,7 +95,6 @@ class Run:
     launch: int | None = None
     failure: str | None = None
     failed_nodes: tuple[int, ...] = ()
-    failed_at: float | None = None
 
     def start(self) -> None:
         if self.relay is not None:
@@ -171,7 +170,7 @@ class Run:
             return self._tail(runrecord.STDERR_FILE, lines)
         tails = []
         for n in self.failed_nodes:
-            name = runrecord.STDERR_FILE if n == 0 else f"stderr.node{n}.log"
+            name = runrecord.STDERR_FILE if n == 0 else runrecord.node_stderr_name(n)
             tails.append(f"--- node {n}'s stderr, last lines ---\n" + self._tail(name, lines))
         return "\n".join(tails)
 

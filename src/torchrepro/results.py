@@ -77,7 +77,8 @@ def processes(n: int) -> str:
 
 NODE_LOST = "stopped answering"
 """In a check across nodes: the words of an error that names a lost node (``check_nodes``)."""
-_NOT_THE_SCRIPT = ("this node lost the check", "the check on node 0 ended")
+LOST_LEADER = "this node lost the check"
+LEADER_ENDED = "the check on node 0 ended"
 """How a follower's error starts when the check, not the script, ended it (``check_nodes``)."""
 
 
@@ -599,7 +600,7 @@ class CheckResult:
         """Across nodes: the check failed because a node, or the leading check, was lost (not the
         script)."""
         error = self.error or ""
-        return NODE_LOST in error or error.startswith(_NOT_THE_SCRIPT)
+        return NODE_LOST in error or error.startswith((LOST_LEADER, LEADER_ENDED))
 
     @property
     def inconclusive(self) -> bool:

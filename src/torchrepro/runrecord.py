@@ -180,6 +180,11 @@ def is_events_file(name: str) -> bool:
     return _EVENTS_RE.match(name) is not None
 
 
+def node_stderr_name(node: int) -> str:
+    """In a check across nodes, a run record's copy of node ``node``'s stderr of that run."""
+    return f"stderr.node{node}.log"
+
+
 def events_path(run_dir: str | os.PathLike[str], rank: int) -> Path:
     """The events file of ``rank`` in the run record ``run_dir``."""
     return Path(run_dir) / f"events.rank{rank}.jsonl"

@@ -36,7 +36,15 @@ from typing import Any
 from torchrepro._io import TMP_SUFFIX
 from torchrepro.runrecord import COMMAND_FILE, ENV_FILE, LOCK_FILE, SETTINGS_FILE, STDERR_FILE, STDOUT_FILE
 
-__all__ = ["CHUNK", "CONNECT_TIMEOUT", "TIMEOUT", "files_to_ship", "post_token", "ship_records"]
+__all__ = [
+    "CHUNK",
+    "CONNECT_TIMEOUT",
+    "LAUNCHER_FILES",
+    "TIMEOUT",
+    "files_to_ship",
+    "post_token",
+    "ship_records",
+]
 
 TIMEOUT = 120.0
 """Seconds rank 0 waits, all told, for the other ranks' manifests."""
@@ -49,7 +57,7 @@ torch's libuv ``TCPStore`` drop the connection)."""
 
 _MARKER = ".torchrepro-ship-"
 _RANKED = re.compile(r"(?:^|\.)rank(\d+)(?:\.|$)")
-_LAUNCHER_FILES = (COMMAND_FILE, SETTINGS_FILE, STDOUT_FILE, STDERR_FILE, LOCK_FILE, ENV_FILE)
+LAUNCHER_FILES = (COMMAND_FILE, SETTINGS_FILE, STDOUT_FILE, STDERR_FILE, LOCK_FILE, ENV_FILE)
 """Written by each node's launcher (or by rank 0 alone: the run's environment): never shipped."""
 
 
@@ -62,7 +70,7 @@ def files_to_ship(record_dir: str | os.PathLike[str], rank: int, *, local_zero: 
         return out
     for path in entries:
         name = path.name
-        if not path.is_file() or name.startswith(_MARKER) or name in _LAUNCHER_FILES or TMP_SUFFIX in name:
+        if not path.is_file() or name.startswith(_MARKER) or name in LAUNCHER_FILES or TMP_SUFFIX in name:
             continue
         m = _RANKED.search(name)
         if (m is not None and int(m.group(1)) == rank) or (m is None and local_zero):
