@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     )
     from torchrepro.flags import DeterminismFlags, reproducible, set_determinism
     from torchrepro.hashing import fingerprint
-    from torchrepro.invariant import InvariantDataParallel
+    from torchrepro.invariant import InvariantDataParallel, clip_grad_norm_
     from torchrepro.launch import relaunch
     from torchrepro.recorder import record
     from torchrepro.rng import RngState, fork_rng
@@ -76,6 +76,7 @@ __all__ = [
     "ShardedDataset",
     "TraceError",
     "UnsupportedDatasetError",
+    "clip_grad_norm_",
     "compare_traces",
     "derive_seed",
     "fingerprint",
@@ -129,6 +130,7 @@ _WHERE = {
     "SeededLoader": "data",
     "ShardedDataset": "data",
     "InvariantDataParallel": "invariant",
+    "clip_grad_norm_": "invariant",
     "sample_rng": "data",
     "latest_checkpoint": "checkpoint",
     "prune_checkpoints": "checkpoint",

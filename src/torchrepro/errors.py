@@ -60,8 +60,9 @@ class UnsupportedDatasetError(ReproError, TypeError):
 
 
 class InvariantTrainingError(ReproError):
-    """``InvariantDataParallel`` cannot keep the result independent of the world size (a module
-    it cannot order, a micro-batch without its backward, a second backward...)."""
+    """``InvariantDataParallel`` or ``clip_grad_norm_`` cannot keep the result independent of the
+    world size (a module it cannot order, a micro-batch without its backward, a second backward,
+    an FSDP2 mesh it cannot reduce over, a non-finite total norm...)."""
 
 
 class ShardReadError(ReproError):
