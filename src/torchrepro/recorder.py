@@ -74,7 +74,10 @@ def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str =
     ``names`` receives each leaf's path in ``obj``: ``[0]``, ``["input_ids"]``, ``[1]["mask"]``.
     """
     if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
+        local = getattr(obj, "_local_tensor", None)  # a DTensor (FSDP2): this rank's shard
+        if local is None and freed(obj):  # FSDP2's gathered parameter after it resharded
+            return f"<freed {tuple(obj.shape)}>"
+        leaves.append(obj if local is None else local)
         names.append(path)
         return {"tensor": len(leaves) - 1}
     if depth > 32:
@@ -107,6 +110,22 @@ def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str =
     if isinstance(obj, Mapping):  # a BatchEncoding or another mapping that is not a dict
         return _flatten(dict(obj.items()), leaves, names, path, depth + 1)
     return f"<{type(obj).__module__}.{type(obj).__qualname__}>"
+
+
+def freed(t: torch.Tensor) -> bool:
+    """``t`` has elements but no memory behind them (FSDP2 frees a gathered parameter's storage
+    when it reshards; the tensor object lives on)."""
+    if (
+        t.layout != torch.strided
+        or t.is_meta
+        or t.numel() == 0
+        or type(t) not in (torch.Tensor, torch.nn.Parameter)
+    ):
+        return False
+    try:
+        return t.untyped_storage().nbytes() == 0
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _sub(path: str, key: Any) -> str:

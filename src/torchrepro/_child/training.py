@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from torchrepro.events import BACKWARD_KEY
-from torchrepro.recorder import Recorder
+from torchrepro.recorder import Recorder, freed
 
 __all__ = ["BackwardSteps", "ParamNames", "optimizer_items"]
 
@@ -266,7 +266,9 @@ class BackwardSteps:
         else:
             roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             leaves = _graph_leaves(t for t in roots if isinstance(t, torch.Tensor))
-        trained = [t for t in leaves if t.requires_grad and not self.owned(t)]
+        # FSDP2's gathered parameters are leaves too, their storage freed once resharded: never
+        # read (the optimizer's sharded parameters are recorded)
+        trained = [t for t in leaves if t.requires_grad and not self.owned(t) and not freed(t)]
         if not trained:
             return False
         names = self.names.names(trained, frame)

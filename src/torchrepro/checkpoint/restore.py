@@ -189,7 +189,10 @@ def load_checkpoint(
             _check_rng_targets(rng_state, generators)
         except ReproError as e:
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
+    sharded = {n for n in ordered if _in_dcp(entries[n])}  # FSDP2 modules and optimizers
     for name in ordered:
+        if name in sharded:
+            continue
         if entries[name]["kind"] not in _VERIFIED_AS_STORED and entries[name]["kind"] != "generator":
             _check_before_restore(file, name, objects[name], entries[name]["state"], verify=verify)
         grads = entries[name].get("grads")
@@ -206,7 +209,15 @@ def load_checkpoint(
                     f"{_some(problems, quote=False)}. Nothing was changed; restore into a module built "
                     "like the one that was saved."
                 )
+    if sharded:  # resharded onto this run's sharding, verified row by row
+        from torchrepro.checkpoint import dcp
+
+        dcp.load(
+            file, {n: objects[n] for n in sharded}, {n: entries[n]["state"] for n in sharded}, verify=verify
+        )
     for name in ordered:
+        if name in sharded:
+            continue
         if entries[name]["kind"] != "generator":
             _restore_one(file, name, objects[name], entries[name]["state"])
             if "grads" in entries[name]:
@@ -214,7 +225,7 @@ def load_checkpoint(
     if verify:
         for name in ordered:
             entry = entries[name]
-            if entry["kind"] in _VERIFIED_AS_STORED or entry["kind"] == "generator":
+            if entry["kind"] in _VERIFIED_AS_STORED or entry["kind"] == "generator" or name in sharded:
                 continue
             if _digest(objects[name].state_dict(), name) != entry["digest"]:
                 raise CheckpointError(
@@ -230,6 +241,11 @@ def load_checkpoint(
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
     _clock.observe(meta["saved_at_ns"], meta["sequence"])
     return {n: e["state"] for n, e in entries.items() if e["kind"] == "value"}
+
+
+def _in_dcp(entry: Mapping[str, Any]) -> bool:
+    """Whether the entry's state lives in the checkpoint's DCP directory (``checkpoint.dcp``)."""
+    return entry.get("sharded") is True and isinstance(entry.get("state"), Mapping)
 
 
 def _check_rng_targets(state: RngState, generators: Mapping[str, Any]) -> None:

@@ -106,8 +106,12 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
 
     entries: dict[str, dict[str, Any]] = {}
     generators: dict[str, Any] = {}
+    sharded: dict[str, Any] = {}  # FSDP2 modules and their optimizers: through DCP
     for name, obj in objects.items():
         kind = kind_of(name, obj)
+        if kind in ("module", "optimizer") and _sharded(obj):
+            sharded[name] = obj
+            continue
         if kind == "generator":
             generators[name] = obj
             entries[name] = {"kind": kind, "state": None, "digest": ""}
@@ -119,6 +123,13 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
             grads = _gradients(obj)
             entries[name].update(grads=grads, grads_digest=_digest(grads, name))
 
+    if sharded:
+        from torchrepro.checkpoint import dcp
+
+        for name, state in dcp.save(target, sharded, rank).items():
+            kind = kind_of(name, sharded[name])
+            entries[name] = {"kind": kind, "state": state, "digest": _digest(state, name), "sharded": True}
+        entries = {name: entries[name] for name in objects}  # the caller's order
     try:
         rng = pack(RngState.capture(generators=generators).to_dict())
     except ReproError as e:
@@ -153,6 +164,12 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
         raise _write_error(out, cause, existed) from None
     _clock.observe(saved_at_ns, sequence)
     return str(out)
+
+
+def _sharded(obj: Any) -> bool:
+    from torchrepro.checkpoint.dcp import is_sharded
+
+    return is_sharded(obj)
 
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:

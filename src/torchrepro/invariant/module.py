@@ -37,6 +37,7 @@ from torch import nn
 
 from torchrepro._runtime import process_group
 from torchrepro.errors import InvariantTrainingError
+from torchrepro.invariant.fsdp import ShardedReduction, fsdp_modules
 from torchrepro.invariant.norm import NormStats, refused_modules
 from torchrepro.invariant.tree import Accumulator, blocks, reduce_pieces
 from torchrepro.seeding import derive_seed
@@ -163,8 +164,12 @@ class InvariantDataParallel(nn.Module):
             )
         loader.accumulation_steps  # noqa: B018 - raises naming the world sizes that work
         params = [p for p in module.parameters() if p.requires_grad]
+        self._params = params
+        self._devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+        # FSDP2: the reduction runs inside FSDP2's own (``fsdp``); otherwise over flat groups
+        self._sharded = ShardedReduction(module, world, process_group) if fsdp_modules(module) else None
         keyed: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-        for p in params:
+        for p in params if self._sharded is None else []:
             keyed.setdefault((p.dtype, p.device), []).append(p)
         self._groups = [_Group(ps) for ps in keyed.values()]
         self._starts = list(itertools.accumulate([len(g.params) for g in self._groups], initial=0))[:-1]
@@ -199,8 +204,10 @@ class InvariantDataParallel(nn.Module):
         from torchrepro.invariant.tree import _global
 
         src = _global(0, self._group)
+        # FSDP2 shards each rank's own parameters (seed their construction alike): buffers only
+        params = [] if self._sharded is not None else list(self.module.parameters())
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            for tensor in [*params, *self.module.buffers()]:
                 comm = _to_comm(tensor, self._group)
                 dist.broadcast(comm, src=src, group=self._group)
                 if comm is not tensor:
@@ -226,15 +233,12 @@ class InvariantDataParallel(nn.Module):
         g, within = divmod(position[1], a)
         key = derive_seed(self._loader.seed, "forward", epoch, g, rank * a + within, self._calls)
         self._calls += 1
-        with _KeyedRng(key if self._keyed else None, self._cuda_devices()):
+        with _KeyedRng(key if self._keyed else None, self._devices):
             self._norms.active = True
             try:
                 return self.module(*args, **kwargs)
             finally:
                 self._norms.active = False
-
-    def _cuda_devices(self) -> list[int]:
-        return sorted({grp.device.index or 0 for grp in self._groups if grp.device.type == "cuda"})
 
     def _begin_micro_batch(self, position: tuple[int, int]) -> None:
         a = self._loader.accumulation_steps
@@ -247,7 +251,8 @@ class InvariantDataParallel(nn.Module):
                 "backward (its gradient is one leaf of the global batch's sum)."
             )
         if first:
-            if self._acc is not None and not self._acc.complete():
+            incomplete = self._sharded.incomplete() if self._sharded is not None else None
+            if incomplete or (self._acc is not None and not self._acc.complete()):
                 raise InvariantTrainingError(
                     "InvariantDataParallel: a global batch ended before all of this rank's "
                     f"{a} micro-batches had their backward; iterate every micro-batch of the loader."
@@ -255,11 +260,12 @@ class InvariantDataParallel(nn.Module):
             rank, world = self._rank_world()
             v = self._loader.micro_batches
             block = blocks(v, world)[rank]
-            self._acc = _Sequential(block) if self._plain_sum else Accumulator(block, v, _add_lists)
+            if self._sharded is not None:
+                self._sharded.begin_global_batch(v, a)
+            else:
+                self._acc = _Sequential(block) if self._plain_sum else Accumulator(block, v, _add_lists)
             self._present = [False] * sum(len(grp.params) for grp in self._groups)
-            self._carry = {
-                p: p.grad.detach() for grp in self._groups for p in grp.params if p.grad is not None
-            }
+            self._carry = {p: p.grad.detach() for p in self._params if p.grad is not None}
             for p in self._carry:
                 p.grad = None
             self._norms.begin_global_batch()
@@ -273,11 +279,15 @@ class InvariantDataParallel(nn.Module):
         self._current = position
         self._calls = 0
         self._backward_done = False
+        if self._sharded is not None:
+            self._sharded.begin_micro_batch(k % a)
         self._norms.begin_micro_batch(self._rank_world()[0] * a + k % a)
 
     # -- backward ---------------------------------------------------------------------------
 
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self._sharded is not None and self._sharded.k < self._loader.accumulation_steps - 1:
+            param.grad = None  # the zeros FSDP2 attached before the last micro-batch: freed now
         if self._queued:
             return
         if self._current is None or self._backward_done:
@@ -296,10 +306,24 @@ class InvariantDataParallel(nn.Module):
     def _end_backward(self) -> None:
         self._queued = False
         self._backward_done = True
-        assert self._current is not None and self._acc is not None
+        assert self._current is not None
         a = self._loader.accumulation_steps
         rank, world = self._rank_world()
         k = self._current[1]
+        if self._sharded is not None:  # FSDP2 ran the reduction; .grad holds the mean after the last
+            self._sharded.end_micro_batch()
+            self.peak_buffers = max(self.peak_buffers, self._sharded.peak)
+            self._norms.end_micro_batch()
+            if k % a == a - 1:
+                for p, carried in self._carry.items():
+                    p.grad = carried if p.grad is None else carried + p.grad
+                self._carry = {}
+                self._finish_norms(world)
+            else:
+                for p in self._params:
+                    p.grad = None
+            return
+        assert self._acc is not None
         j = rank * a + k % a
         leaf: list[torch.Tensor] = []
         for grp, start in zip(self._groups, self._starts, strict=True):
@@ -351,6 +375,11 @@ class InvariantDataParallel(nn.Module):
                 carried = self._carry.get(p)
                 p.grad = grad if carried is None else carried + grad
         self._carry = {}
+        self._finish_norms(world)
+        self._acc = None
+
+    def _finish_norms(self, world: int) -> None:
+        """The global batch's BatchNorm statistics replayed in global order; other buffers still."""
         if self._norms:
             rows = self._norms.local_rows()
             if world > 1:
@@ -362,7 +391,6 @@ class InvariantDataParallel(nn.Module):
                 rows = torch.cat([t.cpu() for t in gathered])
             self._norms.replay(rows)
         self._norms.check_still()
-        self._acc = None
 
 
 class _Sequential(Accumulator):
