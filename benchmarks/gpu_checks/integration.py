@@ -35,6 +35,8 @@ ran):
   processes and on 2 processes (torchrun, gloo, both ranks on the one device).
 - ``invariant_data_parallel_nccl``: and on 2 processes over NCCL, a GPU each (skipped, with the
   reason, on fewer than 2 CUDA devices).
+- ``invariant_fsdp_cuda``: InvariantDataParallel over FSDP2 with ``clip_grad_norm_`` on the device
+  (a process group of one over NCCL) ends with the unsharded run's bits (CUDA only).
 
 Invariants:
 - Everything runs in fresh child processes (``common.run_python`` or ``python -m torchrepro``):
@@ -764,6 +766,92 @@ def _idp_nccl(ctx: Context, single: list[str]) -> Row:
     return _row(check, "pass" if ok else "fail", detail, fingerprints=fps, single=single)
 
 
+FSDP_CHILD = """
+import json
+import os
+import socket
+import sys
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+import torchrepro
+
+device = P["device"]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+torchrepro.set_determinism("strict")
+torch.set_num_threads(1)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(16, generator=g) + 0.1 * torch.randn(16), i % 4
+
+
+def train(sharded):
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Dropout(0.2)) for _ in range(2)]
+    net = nn.Sequential(*blocks, nn.Linear(16, 4)).to(device)
+    if sharded:
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(net)
+    loader = torchrepro.SeededLoader(Data(), batch_size=2, global_batch_size=8, seed=0)
+    model = torchrepro.InvariantDataParallel(net, loader)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    norms = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            if (i + 1) % loader.accumulation_steps == 0:
+                norms.append(float(torchrepro.clip_grad_norm_(model.parameters(), 0.1)).hex())
+                opt.step()
+                opt.zero_grad()
+    whole = {n: p.detach() for n, p in net.named_parameters()}
+    whole = {n: t.full_tensor() if hasattr(t, "full_tensor") else t for n, t in whole.items()}
+    return torchrepro.fingerprint(whole), norms
+
+
+plain, sharded = train(False), train(True)
+print(json.dumps({"plain": plain, "sharded": sharded, "device": device}))
+sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+def check_invariant_fsdp(ctx: Context) -> list[Row]:
+    """``invariant_fsdp_cuda``: InvariantDataParallel over FSDP2 on the device (a process group of
+    one, NCCL: the reduce-scatter and post-reduce hook run on FSDP2's own streams) ends with the
+    unsharded run's weights and clipping norms, in strict mode."""
+    check = "invariant_fsdp_cuda"
+    if not ctx.cuda:
+        return [_row(check, "skip", "FSDP2's reduction streams exist on CUDA only (the tests run the CPU)")]
+    res = run_python(_code(FSDP_CHILD, device=ctx.device), cwd=ctx.workdir / "fsdp", timeout=CHILD_TIMEOUT)
+    failed = _child_failed(check, res)
+    if failed:
+        return [failed]
+    plain, sharded = res.result["plain"], res.result["sharded"]
+    ok = plain == sharded
+    detail = (
+        f"InvariantDataParallel over FSDP2 on {ctx.device}: weights {sharded[0][:8]} against unsharded "
+        f"{plain[0][:8]}, clipping norms {'equal' if plain[1] == sharded[1] else 'differ'}"
+        + ("; the same bits" if ok else "; the bits differ")
+    )
+    return [_row(check, "pass" if ok else "fail", detail, plain=plain, sharded=sharded)]
+
+
 AUDIT_SCRIPT = """
 import time, sys, warnings
 import torch
@@ -844,6 +932,7 @@ CHECKS: list[tuple[str, Callable[[Context], list[Row]]]] = [
     ("run_record_compare", check_run_record),
     ("audit_on_device", check_audit),
     ("invariant_data_parallel", check_invariant_data_parallel),
+    ("invariant_fsdp_cuda", check_invariant_fsdp),
 ]
 """(the first row's check name, the function): the name labels an ``error`` row if it raises."""
 

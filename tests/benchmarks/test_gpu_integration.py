@@ -31,7 +31,7 @@ CPU_PASSES = {
     "run_record_compare",
     "audit_on_device",
 }
-CUDA_ONLY = {"run_record_env_gpu", "invariant_data_parallel_nccl"}
+CUDA_ONLY = {"run_record_env_gpu", "invariant_data_parallel_nccl", "invariant_fsdp_cuda"}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,7 @@ def test_every_row_is_reported_once_and_in_order(rows: dict[str, Row]) -> None:
         "audit_on_device",
         "invariant_data_parallel",
         "invariant_data_parallel_nccl",
+        "invariant_fsdp_cuda",
     ]
 
 
