@@ -64,6 +64,7 @@ def specs(draw: st.DrawFn) -> ChildSpec:
         compile_probe=False if trace_step is None else draw(st.booleans()),
         nnodes=draw(counts),
         relayed=draw(st.booleans()),
+        whole_shards=draw(st.booleans()),
     )
 
 
@@ -102,6 +103,7 @@ def test_the_round_trip_strategy_covers_every_field() -> None:
         "compile_probe",
         "nnodes",
         "relayed",
+        "whole_shards",
     }
 
 

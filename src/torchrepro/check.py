@@ -363,6 +363,8 @@ def _check(
     nproc = nprocs[-1]  # the most processes a run has (--vary world: the later runs)
     world = WorldScope(1, nproc) if vary == "world" and nproc is not None else None
     specs = [_run_spec(base, vary, i, seed=options.seed) for i in range(runs)]
+    if world is not None:  # FSDP2's shards differ by world size: recorded whole, they compare
+        specs = [s.replace(whole_shards=True) for s in specs]
     if vary == "compile":  # each compiled run starts with an empty Inductor cache of the check's own
         specs = [
             s.replace(compile_cache=os.fspath((check_dir / f"inductor{i}").resolve())) if i > 0 else s

@@ -107,6 +107,7 @@ _VARIABLES: dict[str, tuple[str, str]] = {
     "compile_probe": ("COMPILE_PROBE", "bool"),
     "nnodes": ("NNODES", "int"),
     "relayed": ("RELAYED", "bool"),
+    "whole_shards": ("WHOLE_SHARDS", "bool"),
 }
 
 COMPILE_CHOICES = ("eager", "compiled")
@@ -185,6 +186,8 @@ class ChildSpec:
     exit every rank ships its record files to the node holding global rank 0 (``_child.ship``),
     and each node's local rank 0 records the node's environment (``runrecord.node_env_path``);
     ``relayed``: a check across nodes forwards the records itself (``check_nodes``): no rank ships.
+    ``whole_shards``: sharded tensors (FSDP2's DTensors) are recorded whole, gathered from every
+    rank, so runs on different numbers of processes compare (``check --vary world``).
     """
 
     seed: int | None = None
@@ -211,6 +214,7 @@ class ChildSpec:
     compile_probe: bool = False
     nnodes: int | None = None
     relayed: bool = False
+    whole_shards: bool = False
 
     def __post_init__(self) -> None:
         from torchrepro.flags import MODES
@@ -255,7 +259,7 @@ class ChildSpec:
             raise SettingsError(
                 "compile_probe compares the compiled graphs of the traced step: give trace_step"
             )
-        for flag in ("portable", "resume_states", "compile_probe"):
+        for flag in ("portable", "resume_states", "compile_probe", "relayed", "whole_shards"):
             if not isinstance(getattr(self, flag), bool):
                 raise SettingsError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if self.cpu_capability is not None and self.cpu_capability not in CPU_CAPABILITIES:

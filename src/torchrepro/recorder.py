@@ -68,15 +68,28 @@ def _hashing() -> ModuleType:
 _hashing_module: ModuleType | None = None
 
 
-def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str = "", depth: int = 0) -> Any:
+def _flatten(
+    obj: Any,
+    leaves: list[torch.Tensor],
+    names: list[str],
+    path: str = "",
+    depth: int = 0,
+    whole: bool = False,
+) -> Any:
     """The structure of ``obj`` with tensor leaves replaced by their index in ``leaves``.
 
     ``names`` receives each leaf's path in ``obj``: ``[0]``, ``["input_ids"]``, ``[1]["mask"]``.
+    A DTensor (FSDP2) is this rank's shard, or with ``whole`` the whole tensor (an all-gather: every
+    rank records at the same point; after the process group ended, a placeholder on every world size).
     """
     if isinstance(obj, torch.Tensor):
-        local = getattr(obj, "_local_tensor", None)  # a DTensor (FSDP2): this rank's shard
+        local = getattr(obj, "_local_tensor", None)
         if local is None and freed(obj):  # FSDP2's gathered parameter after it resharded
             return f"<freed {tuple(obj.shape)}>"
+        if local is not None and whole:
+            if not torch.distributed.is_initialized():
+                return f"<sharded {tuple(obj.shape)}: not gathered, the process group ended>"
+            local = obj.detach().full_tensor()  # type: ignore[attr-defined]
         leaves.append(obj if local is None else local)
         names.append(path)
         return {"tensor": len(leaves) - 1}
@@ -89,11 +102,11 @@ def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str =
     if isinstance(obj, dict):
         pairs = []
         for k, v in obj.items():
-            key = _flatten(k, leaves, names, path, depth + 1)
-            pairs.append([key, _flatten(v, leaves, names, _sub(path, k), depth + 1)])
+            key = _flatten(k, leaves, names, path, depth + 1, whole)
+            pairs.append([key, _flatten(v, leaves, names, _sub(path, k), depth + 1, whole)])
         return {"dict": pairs}
     if isinstance(obj, (list, tuple)):
-        items = [_flatten(v, leaves, names, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
+        items = [_flatten(v, leaves, names, f"{path}[{i}]", depth + 1, whole) for i, v in enumerate(obj)]
         return {type(obj).__name__: items}
     if hasattr(obj, "__array__") and hasattr(obj, "dtype"):  # a NumPy array or scalar
         try:
@@ -103,12 +116,12 @@ def _flatten(obj: Any, leaves: list[torch.Tensor], names: list[str], path: str =
         except (TypeError, ValueError, RuntimeError):
             pass
     if isinstance(obj, torch.nn.Module):
-        return _flatten(obj.state_dict(), leaves, names, path, depth + 1)
+        return _flatten(obj.state_dict(), leaves, names, path, depth + 1, whole)
     state_dict = getattr(obj, "state_dict", None)
     if callable(state_dict) and isinstance(obj, torch.optim.Optimizer):
-        return _flatten(state_dict(), leaves, names, path, depth + 1)
+        return _flatten(state_dict(), leaves, names, path, depth + 1, whole)
     if isinstance(obj, Mapping):  # a BatchEncoding or another mapping that is not a dict
-        return _flatten(dict(obj.items()), leaves, names, path, depth + 1)
+        return _flatten(dict(obj.items()), leaves, names, path, depth + 1, whole)
     return f"<{type(obj).__module__}.{type(obj).__qualname__}>"
 
 
@@ -160,7 +173,9 @@ def _leaf_entry(t: torch.Tensor, values_max: int) -> dict[str, Any]:
     return entry
 
 
-def _digest(obj: Any, values_max: int, *, named: bool = False) -> tuple[str, list[dict[str, Any]]]:
+def _digest(
+    obj: Any, values_max: int, *, named: bool = False, whole: bool = False
+) -> tuple[str, list[dict[str, Any]]]:
     """The event fingerprint of ``obj`` and an entry per tensor leaf (``n``: the leaf's name).
 
     ``named``: ``obj`` is a list of ``(name, value)`` pairs; a leaf's name is its pair's name
@@ -169,9 +184,9 @@ def _digest(obj: Any, values_max: int, *, named: bool = False) -> tuple[str, lis
     leaves: list[torch.Tensor] = []
     names: list[str] = []
     if named:
-        skeleton: Any = [[name, _flatten(value, leaves, names, name)] for name, value in obj]
+        skeleton: Any = [[name, _flatten(value, leaves, names, name, whole=whole)] for name, value in obj]
     else:
-        skeleton = _flatten(obj, leaves, names)
+        skeleton = _flatten(obj, leaves, names, whole=whole)
     entries = [_leaf_entry(t, values_max) for t in leaves]
     fp = _hashing().fingerprint_texts(json.dumps(skeleton, sort_keys=True), [e["fp"] for e in entries])
     for entry, name in zip(entries, names, strict=True):
@@ -193,12 +208,15 @@ class Recorder:
         *,
         values_max: int = _VALUES_MAX_DEFAULT,
         claim: Callable[[], tuple[Path, IO[str]] | None] | None = None,
+        whole_shards: bool = False,
     ) -> None:
         """``path=None`` with ``claim``: the file is chosen at the first event, when the rank is
         known (a script-started rank); ``claim()`` returns the path and the open file, or None
-        (this process records nothing)."""
+        (this process records nothing). ``whole_shards``: DTensors are recorded whole (gathered),
+        so runs on different world sizes compare (``check --vary world``), not as this rank's shard."""
         self.path = None if path is None else Path(path)
         self.values_max = values_max
+        self.whole_shards = whole_shards
         self._claim = claim
         self._file: IO[str] | None = None
         if self.path is not None:
@@ -227,7 +245,7 @@ class Recorder:
         if self._file is None and self._claim is None:  # closed, or nothing to record into
             return
         with paused():
-            fp, leaves = _digest(value, self.values_max, named=named)
+            fp, leaves = _digest(value, self.values_max, named=named, whole=self.whole_shards)
         event: dict[str, Any] = {"i": self._seq, "kind": kind, "key": key, "step": step, "fp": fp}
         event["t"] = leaves
         if source is not None:

@@ -4,8 +4,9 @@ processes (torchrun with gloo, 1 thread per rank).
 One small script (``world_scripts/global_batch.py``) trains on global batches of 4 micro-batches:
 with ``torchrepro.InvariantDataParallel`` (the same bits on 1 and 2 processes), with stock DDP,
 ``DistributedSampler`` and gradient accumulation (the negative control: its gradients depend on how
-the global batch is split), or not at all. Each check runs once (a module fixture, two at a time);
-their run records are reused for ``torchrepro compare``.
+the global batch is split), or not at all; and under FSDP2, invariant (its sharded tensors are
+recorded whole, so 1 and 2 processes compare) and stock (the negative control). Each check runs
+once (a module fixture, two at a time); their run records are reused for ``torchrepro compare``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ CHECKS: dict[str, tuple[str, ...]] = {
     "ddp": ("--vary", "world", SCRIPT, "--mode", "ddp"),
     "none": ("--vary", "world", SCRIPT, "--mode", "none"),
     "nproc2": ("--nproc", "2", SCRIPT),
+    "fsdp": ("--vary", "world", SCRIPT, "--mode", "fsdp"),
+    "fsdp_stock": ("--vary", "world", SCRIPT, "--mode", "fsdp-stock"),
 }
 
 COMPARED = {"init": 1, "compute": 3, "final": 1}  # per rank: no batch, backward() step or record
@@ -149,3 +152,17 @@ def test_compare_of_the_records_across_world_sizes_and_at_one(checked: dict[str,
     proc = torchrepro(a.parent, "compare", "--json", str(a), str(b))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads(proc.stdout)["coverage"]["per_kind"]["data"] == 12
+
+
+def test_fsdp2_under_invariant_data_parallel_is_the_same_on_1_and_2_processes(
+    checked: dict[str, Checked],
+) -> None:
+    c = checked["fsdp"]
+    assert c.code == 0 and c.verdict["reproducible"] is True, c.stderr[-3000:]
+    assert c.verdict["coverage"]["per_kind"]["compute"] >= 3, c.verdict
+
+
+def test_stock_fsdp2_with_accumulation_differs_between_1_and_2_processes(checked: dict[str, Checked]) -> None:
+    c = checked["fsdp_stock"]
+    assert c.code == 1 and c.verdict["reproducible"] is False, c.stderr[-3000:]
+    assert c.verdict["first_divergence"]["kind"] == "compute", c.verdict

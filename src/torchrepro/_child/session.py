@@ -91,7 +91,7 @@ class Session:
         if spec.record_dir:
             kwargs = {} if spec.record_values is None else {"values_max": spec.record_values}
             self.claim = RankClaim(spec.record_dir, main=main)
-            self.recorder = Recorder(None, claim=self.claim.open, **kwargs)
+            self.recorder = Recorder(None, claim=self.claim.open, whole_shards=spec.whole_shards, **kwargs)
             local_zero = main and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0
             node = _node() if spec.nnodes else None
             if local_zero and ((env_rank() or 0) == 0 or node is not None):

@@ -1,17 +1,20 @@
 """A small MLP with BatchNorm and dropout on an augmenting dataset, trained on global batches of 4
 micro-batches of 2 samples, the same global batch on any number of processes.
 
-python global_batch.py [--mode invariant|ddp|none]
+python global_batch.py [--mode invariant|ddp|fsdp|fsdp-stock|none]
 - invariant: SeededLoader(global_batch_size=8) and torchrepro.InvariantDataParallel;
 - ddp: stock DDP, DistributedSampler and gradient accumulation (global // micro // world steps);
+- fsdp: invariant over FSDP2 (fully_shard on the first Linear and at the root);
+- fsdp-stock: stock FSDP2, DistributedSampler and gradient accumulation (sync on the last);
 - none: trains nothing (evaluates the model on the loader, no optimizer, no backward()).
-Works under torchrun (gloo) and as a plain process (no process group).
+Works under torchrun (gloo) and as a plain process (no process group; the FSDP2 modes: one of one).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -42,14 +45,24 @@ def build_net() -> nn.Module:
 
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--mode", default="invariant", choices=["invariant", "ddp", "none"])
+parser.add_argument("--mode", default="invariant", choices=["invariant", "ddp", "fsdp", "fsdp-stock", "none"])
 args = parser.parse_args()
+if "RANK" not in os.environ and args.mode.startswith("fsdp"):  # FSDP2 needs a process group
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
 if "RANK" in os.environ:
     dist.init_process_group("gloo")
 world = dist.get_world_size() if dist.is_initialized() else 1
 net = build_net()
+if args.mode.startswith("fsdp"):
+    from torch.distributed.fsdp import fully_shard
 
-if args.mode == "invariant":
+    fully_shard(net[0])
+    fully_shard(net)
+
+if args.mode in ("invariant", "fsdp"):
     loader = torchrepro.SeededLoader(Augmented(), batch_size=MICRO, global_batch_size=GLOBAL, seed=0)
     model = torchrepro.InvariantDataParallel(net, loader)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -58,13 +71,16 @@ if args.mode == "invariant":
         if (i + 1) % loader.accumulation_steps == 0:
             opt.step()
             opt.zero_grad()
-elif args.mode == "ddp":
-    model = nn.parallel.DistributedDataParallel(net) if dist.is_initialized() else net
+elif args.mode in ("ddp", "fsdp-stock"):
+    ddp = args.mode == "ddp" and dist.is_initialized()
+    model = nn.parallel.DistributedDataParallel(net) if ddp else net
     data = Augmented()
     sampler = DistributedSampler(data, num_replicas=world, rank=dist.get_rank() if world > 1 else 0, seed=0)
     accumulation = GLOBAL // MICRO // world
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for i, (x, y) in enumerate(DataLoader(data, batch_size=MICRO, sampler=sampler)):
+        if args.mode == "fsdp-stock":
+            net.set_requires_gradient_sync((i + 1) % accumulation == 0)
         (nn.functional.cross_entropy(model(x), y) / accumulation).backward()
         if (i + 1) % accumulation == 0:
             opt.step()
