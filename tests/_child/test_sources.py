@@ -167,3 +167,32 @@ def test_switch_statements_with_literal_values_and_what_decides_them(tmp_path: P
     assert deterministic["warn_only"] is True
     assert deterministic["text"] == "torch.use_deterministic_algorithms(True, warn_only=True)"
     assert switch_statements(str(path))[-1]["end_line"] == 16
+
+
+ACCUMULATING = """\
+import torch
+
+for i, (x, y) in enumerate(loader):
+    if (i + 1) % 4:
+        with ddp.no_sync():
+            loss(ddp(x), y).backward()
+    fsdp_model.set_requires_gradient_sync((i + 1) % 4 == 0)
+    fsdp_model.set_requires_gradient_sync(True)
+    fsdp_model.set_requires_gradient_sync(
+        False
+    )
+"""
+
+
+def test_accumulation_statements_are_the_calls_that_delay_the_reduction(tmp_path: Path) -> None:
+    from torchrepro._child.sources import accumulation_statements
+
+    path = tmp_path / "train.py"
+    path.write_text(ACCUMULATING)
+    found = [(s["line"], s["call"], s["wrapper"]) for s in accumulation_statements(str(path))]
+    assert found == [  # syncing every backward (a literal True, line 8) accumulates nothing
+        (5, "no_sync", "DDP"),
+        (7, "set_requires_gradient_sync", "FSDP2"),
+        (9, "set_requires_gradient_sync", "FSDP2"),
+    ]
+    assert accumulation_statements(str(path))[-1]["text"] == "fsdp_model.set_requires_gradient_sync( False )"

@@ -474,3 +474,22 @@ def test_a_seed_every_process_draws_at_one_line_is_one_finding() -> None:
     (both,) = audit_settings(_settings(tainted_seeds=[call, numpy]))
     assert "random.seed seeds Python's global random" in both.message
     assert "Also here: np.random.seed seeds NumPy's global RNG" in both.message
+
+
+def test_accumulation_under_stock_ddp_or_fsdp2_is_a_warning_naming_the_invariant_wrapper() -> None:
+    statements = [
+        {"text": "ddp.no_sync()", "call": "no_sync", "wrapper": "DDP", "location": "train.py:5"},
+        {
+            "text": "net.set_requires_gradient_sync(last)",
+            "call": "set_requires_gradient_sync",
+            "wrapper": "FSDP2",
+            "location": "train.py:7",
+        },
+    ]
+    findings = [f for f in audit_settings(_settings(accumulation_statements=statements)) if f.code == "TR502"]
+    expected = [("warning", "train.py:5"), ("warning", "train.py:7")]
+    assert [(f.severity, f.location) for f in findings] == expected
+    assert "stock DDP" in findings[0].message and "world size" in findings[0].message
+    assert "InvariantDataParallel" in findings[0].fix and "instead of DDP" in findings[0].fix
+    assert "after fully_shard" in findings[1].fix
+    assert not [f for f in audit_settings(_settings()) if f.code == "TR502"]  # nothing without them

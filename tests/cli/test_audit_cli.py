@@ -222,3 +222,18 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]
     captured = capsys.readouterr()
     assert captured.out == ""
     assert message in captured.err
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["no_sync", "invariant"])
+def test_accumulation_under_stock_ddp_is_named_at_its_line(
+    capsys: pytest.CaptureFixture[str], invariant: bool
+) -> None:
+    script = SCRIPTS / ("accumulating_invariant.py" if invariant else "accumulating_ddp.py")
+    _, report = _audit_json(capsys, relative(script))
+    found = [f for f in report["findings"] if f["code"] == "TR502"]
+    if invariant:  # the negative control: the same training through InvariantDataParallel
+        assert found == []
+        return
+    (finding,) = found
+    assert finding["location"] == line_of(script, "# accumulate")
+    assert finding["severity"] == "warning" and "InvariantDataParallel" in finding["fix"]

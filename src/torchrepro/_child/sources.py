@@ -18,6 +18,9 @@ Invariants:
   ``...cudnn.deterministic``, ``...matmul.allow_tf32`` or a call of
   ``...set_float32_matmul_precision`` / ``...use_deterministic_algorithms``, with a literal value
   (anything else cannot be judged unrun); the ``if`` deciding it is named as written.
+- An accumulation statement is a call of ``<module>.no_sync()`` (DDP's context manager) or of
+  ``<module>.set_requires_gradient_sync(...)`` with anything but the literal ``True`` (FSDP2): the
+  script sums gradients over several backward passes before they are reduced across ranks.
 - Names resolve through modules and classes only (``getattr`` on nothing else: no property of a
   user's object runs); a file is parsed once (through ``linecache``, the source python ran); a
   file that does not parse traces nothing.
@@ -33,7 +36,7 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["seed_source", "switch_statements", "tree"]
+__all__ = ["accumulation_statements", "seed_source", "switch_statements", "tree"]
 
 _TREES: dict[str, ast.Module | None] = {}
 _PARENTS: dict[int, dict[int, ast.AST]] = {}
@@ -321,3 +324,37 @@ def switch_statements(filename: str) -> list[dict[str, Any]]:
                 )
         _SWITCHES[filename] = sorted(found, key=lambda s: s["line"])
     return _SWITCHES[filename]
+
+
+_ACCUMULATION_CALLS = {"no_sync": "DDP", "set_requires_gradient_sync": "FSDP2"}
+_ACCUMULATIONS: dict[str, list[dict[str, Any]]] = {}
+
+
+def accumulation_statements(filename: str) -> list[dict[str, Any]]:
+    """The calls in ``filename`` that accumulate gradients under stock DDP or FSDP2 (the module
+    invariants): each ``{"text", "call", "wrapper", "line"}``, cached."""
+    if filename not in _ACCUMULATIONS:
+        found: list[dict[str, Any]] = []
+        module = tree(filename)
+        if module is not None:
+            text = "".join(linecache.getlines(filename))
+            for node in ast.walk(module):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                    continue
+                wrapper = _ACCUMULATION_CALLS.get(node.func.attr)
+                if wrapper is None:
+                    continue
+                first = node.args[0] if node.args else None
+                if wrapper == "FSDP2" and isinstance(first, ast.Constant) and first.value is True:
+                    continue  # syncing every backward: no accumulation before the reduction
+                written = " ".join((ast.get_source_segment(text, node) or "").split())
+                found.append(
+                    {
+                        "text": written if len(written) <= 120 else written[:117] + "...",
+                        "call": node.func.attr,
+                        "wrapper": wrapper,
+                        "line": node.lineno,
+                    }
+                )
+        _ACCUMULATIONS[filename] = sorted(found, key=lambda s: s["line"])
+    return _ACCUMULATIONS[filename]

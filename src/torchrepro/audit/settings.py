@@ -117,6 +117,7 @@ class ProbeSettings:
     switch_statements: tuple[Mapping[str, Any], ...] = ()
     processes: tuple[Mapping[str, Any], ...] = ()
     inductor_fallback_random: bool = False
+    accumulation_statements: tuple[Mapping[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of every field, in declaration order (records as arrays of objects)."""
@@ -267,5 +268,8 @@ def merge_processes(main: ProbeSettings, children: Sequence[ProbeSettings] = ())
         shared_modules=tuple(m for r in records for m in r.shared_modules),
         shared_updates=tuple({**u, "pid": r.process.get("pid")} for r in records for u in r.shared_updates),
         switch_statements=tuple(statements.values()),
+        accumulation_statements=tuple(
+            {s.get("location"): s for r in records for s in r.accumulation_statements}.values()
+        ),
         processes=tuple(summaries),
     )

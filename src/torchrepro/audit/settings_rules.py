@@ -533,6 +533,33 @@ def _hogwild(run: _Run) -> list[Finding]:
     ]
 
 
+def _accumulation(run: _Run) -> list[Finding]:
+    """TR502: gradients accumulated over several backward passes under stock DDP (``no_sync``) or
+    FSDP2 (``set_requires_gradient_sync``), found in the source (on one process it does nothing:
+    the bits it costs show on several)."""
+    out = []
+    for statement in run.settings.accumulation_statements:
+        wrapper = statement.get("wrapper") or "DDP"
+        out.append(
+            settings_finding(
+                "TR502",
+                "warning",
+                f"Gradient accumulation under stock {wrapper} (`{statement.get('text')}`): each rank sums "
+                "its micro-batches' gradients, then the ranks' sums are reduced, so the order of the "
+                "additions, and which micro-batches a rank holds, change with the number of processes; "
+                "dropout draws from each rank's own stream. The weights depend on the world size, and a "
+                "resume onto another world size does not continue the run.",
+                "Iterate torchrepro.SeededLoader(dataset, batch_size=micro, global_batch_size=G, seed=...) "
+                f"and wrap the model in torchrepro.InvariantDataParallel(model, loader) instead of {wrapper}"
+                + (" (after fully_shard)" if wrapper == "FSDP2" else "")
+                + ": the same bits on any world size dividing the micro-batch count, one backward per "
+                "micro-batch, no no_sync.",
+                statement.get("location"),
+            )
+        )
+    return out
+
+
 _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _hash_randomization,
     _cublas_workspace,
@@ -547,6 +574,7 @@ _RULES: tuple[Callable[[_Run], list[Finding]], ...] = (
     _tainted_seeds,
     _compile,
     _hogwild,
+    _accumulation,
     _no_training,
 )
 

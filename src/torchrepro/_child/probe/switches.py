@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from torchrepro._child.sources import switch_statements
+from torchrepro._child.sources import accumulation_statements, switch_statements
 from torchrepro._frames import shown, user_frame
 from torchrepro._runtime import cuda_started
 from torchrepro.flags import DeterminismFlags
@@ -94,6 +94,7 @@ class SwitchWatcher:
             "thread_env": {k: v for k, v in self.start_env.items() if k != HASH_SEED_VAR},
             "cuda_initialized": cuda_started(),
             "switch_statements": tuple(self._switch_statements()),
+            "accumulation_statements": tuple(self._accumulation_statements()),
         }
 
     def switch_set(self, frame: Any) -> None:
@@ -168,6 +169,16 @@ class SwitchWatcher:
             ):
                 files.append(path)
         return files[:200]
+
+    def _accumulation_statements(self) -> list[dict[str, Any]]:
+        """The user's files' calls that accumulate gradients under stock DDP or FSDP2."""
+        out = []
+        for filename in self._user_files():
+            with contextlib.suppress(Exception):
+                for statement in accumulation_statements(filename):
+                    record = {k: v for k, v in statement.items() if k != "line"}
+                    out.append({**record, "location": f"{shown(filename)}:{statement['line']}"})
+        return out
 
     def _switch_statements(self) -> list[dict[str, Any]]:
         """The switch statements of the user's files, each with whether it ran (its line set a
