@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 import torchrepro
-from torchrepro.errors import CheckpointError
+from torchrepro.errors import CheckpointError, ReproWarning
 
 
 @pytest.fixture
@@ -107,6 +107,8 @@ def test_a_missing_directory_is_named(group_of_one: None, tmp_path: Path) -> Non
     shutil.rmtree(tmp_path / "ckpt.pt.dcp")
     with pytest.raises(CheckpointError, match=r"ckpt\.pt\.dcp, which is missing or incomplete"):
         torchrepro.load_checkpoint(path, model=net, optimizer=opt)
+    with pytest.warns(ReproWarning, match=r"incomplete: the sharded state of 'model' in ckpt\.pt\.dcp"):
+        assert torchrepro.latest_checkpoint(tmp_path) is None  # skipped, never handed out
 
 
 class _Payload:
