@@ -7,24 +7,22 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchrepro
+from helpers import gloo_group_of_one
 from torchrepro.errors import CheckpointError, ReproWarning
 
 
 @pytest.fixture
-def group_of_one(tmp_path: Path, rng_changes_ok: None):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+def group_of_one(tmp_path: Path, rng_changes_ok: None) -> Iterator[None]:
+    with gloo_group_of_one(tmp_path / "store"):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _trained(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

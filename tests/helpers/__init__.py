@@ -7,6 +7,7 @@ scripts the tests start are plain python files and do not import it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +163,15 @@ def tree_sum(leaves: list[Any], node: tuple[int, int]) -> Any:
         return leaves[lo].clone()
     left, right = children(node)
     return tree_sum(leaves, left).add_(tree_sum(leaves, right))
+
+
+@contextlib.contextmanager
+def gloo_group_of_one(store: Path) -> Iterator[None]:
+    """A gloo process group of one in this process (FSDP2 needs a mesh), destroyed after."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

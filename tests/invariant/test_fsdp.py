@@ -25,15 +25,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import torchrepro
+from helpers import gloo_group_of_one
 from torchrepro.errors import InvariantTrainingError
 
 SCRIPT = Path(__file__).parent / "scripts" / "fsdp_train.py"
@@ -170,12 +171,9 @@ def test_clip_negative_control_torchs_total_differs_between_world_sizes(runs: di
 
 
 @pytest.fixture
-def group_of_one(tmp_path: Path, rng_changes_ok: None):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+def group_of_one(tmp_path: Path, rng_changes_ok: None) -> Iterator[None]:
+    with gloo_group_of_one(tmp_path / "store"):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loader() -> torchrepro.SeededLoader:
