@@ -90,7 +90,7 @@ class Held:
     activations, the optimizer state."""
 
     def __init__(self, net, sharded) -> None:  # type: ignore[no-untyped-def]
-        from torchrepro.invariant.sharded import fsdp_modules
+        from torchrepro.invariant.fsdp import fsdp_modules
 
         self.net, self.sharded, self.on, self.peak = net, sharded, False, 0
         self.parts = dict.fromkeys(KINDS, 0)  # the peak's bytes by kind
