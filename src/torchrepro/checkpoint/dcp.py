@@ -55,6 +55,18 @@ def directory_of(path: Path) -> Path:
     return path.with_name(path.name + SUFFIX)
 
 
+def held(entry: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint file's entry keeps its state in the DCP directory beside the file."""
+    return entry.get("sharded") is True and isinstance(entry.get("state"), Mapping)
+
+
+def missing_directory(file: Path, state: Mapping[str, Any]) -> Path | None:
+    """The DCP directory ``state`` (a ``held`` entry's, saved with ``file``) names, when it is
+    missing or incomplete (no ``.metadata``, which DCP writes last); else None."""
+    directory = file.with_name(str(state.get("dcp")))
+    return None if (directory / ".metadata").is_file() else directory
+
+
 def _pairs(objects: Mapping[str, Any]) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer | None]]:
     """Each sharded object's (module, optimizer or None); an optimizer goes with the module that
     holds all of its parameters (DCP names optimizer state by the module's parameter names)."""
@@ -128,7 +140,7 @@ def load(
     if len(names) != 1:
         raise CheckpointError(f"Checkpoint {path} names several sharded directories: {sorted(names)}.")
     directory = path.with_name(names.pop())
-    if not (directory / ".metadata").is_file():
+    if missing_directory(path, stored[next(iter(objects))]) is not None:
         raise CheckpointError(
             f"Checkpoint {path} keeps its sharded state in {directory}, which is missing or incomplete "
             "(no .metadata): copy the directory along with the file, or resume from another checkpoint."

@@ -32,6 +32,7 @@ import torch
 
 from torchrepro import _io
 from torchrepro._runtime import process_group
+from torchrepro.checkpoint import dcp
 from torchrepro.checkpoint.format import (
     FORMAT_VERSION,
     KIND_WORDS,
@@ -457,15 +458,13 @@ def _looks_like_checkpoint(file: Path) -> bool:
 
 def _check_rank_files(file: Path, payload: Mapping[str, Any], max_expanded_bytes: int | None) -> None:
     meta = payload["meta"]
-    for name, entry in payload["objects"].items():  # sharded objects: their DCP directory (checkpoint.dcp)
-        state = entry.get("state")
-        if entry.get("sharded") is True and isinstance(state, Mapping):
-            directory = file.with_name(str(state.get("dcp")))
-            if not (directory / ".metadata").is_file():
-                raise CheckpointError(
-                    f"Checkpoint {file} is incomplete: the sharded state of {name!r} in {directory.name} "
-                    "is missing or incomplete (no .metadata)."
-                )
+    for name, entry in payload["objects"].items():  # sharded objects: their DCP directory
+        directory = dcp.missing_directory(file, entry["state"]) if dcp.held(entry) else None
+        if directory is not None:
+            raise CheckpointError(
+                f"Checkpoint {file} is incomplete: the sharded state of {name!r} in {directory.name} "
+                "is missing or incomplete (no .metadata)."
+            )
     for r in range(1, meta["world_size"]):
         if not rank_path(file, r).is_file():
             raise CheckpointError(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchrepro._runtime import process_group
+from torchrepro.checkpoint import dcp
 from torchrepro.checkpoint.format import (
     KIND_WORDS,
     _clock,
@@ -189,7 +190,7 @@ def load_checkpoint(
             _check_rng_targets(rng_state, generators)
         except ReproError as e:
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
-    sharded = {n for n in ordered if _in_dcp(entries[n])}  # FSDP2 modules and optimizers
+    sharded = {n for n in ordered if dcp.held(entries[n])}  # FSDP2 modules and optimizers
     for name in ordered:
         if name in sharded:
             continue
@@ -210,8 +211,6 @@ def load_checkpoint(
                     "like the one that was saved."
                 )
     if sharded:  # resharded onto this run's sharding, verified row by row
-        from torchrepro.checkpoint import dcp
-
         dcp.load(
             file, {n: objects[n] for n in sharded}, {n: entries[n]["state"] for n in sharded}, verify=verify
         )
@@ -241,11 +240,6 @@ def load_checkpoint(
             raise CheckpointError(f"Cannot restore the RNG state saved in {file}: {e}") from None
     _clock.observe(meta["saved_at_ns"], meta["sequence"])
     return {n: e["state"] for n, e in entries.items() if e["kind"] == "value"}
-
-
-def _in_dcp(entry: Mapping[str, Any]) -> bool:
-    """Whether the entry's state lives in the checkpoint's DCP directory (``checkpoint.dcp``)."""
-    return entry.get("sharded") is True and isinstance(entry.get("state"), Mapping)
 
 
 def _check_rng_targets(state: RngState, generators: Mapping[str, Any]) -> None:

@@ -31,6 +31,7 @@ import torch
 
 from torchrepro import _io
 from torchrepro._runtime import process_group
+from torchrepro.checkpoint import dcp
 from torchrepro.checkpoint.format import (
     FORMAT_VERSION,
     MARKER,
@@ -109,8 +110,9 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
     sharded: dict[str, Any] = {}  # FSDP2 modules and their optimizers: through DCP
     for name, obj in objects.items():
         kind = kind_of(name, obj)
-        if kind in ("module", "optimizer") and _sharded(obj):
+        if kind in ("module", "optimizer") and dcp.is_sharded(obj):
             sharded[name] = obj
+            entries[name] = {"kind": kind, "sharded": True}  # its state: after the collective save
             continue
         if kind == "generator":
             generators[name] = obj
@@ -124,12 +126,8 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
             entries[name].update(grads=grads, grads_digest=_digest(grads, name))
 
     if sharded:
-        from torchrepro.checkpoint import dcp
-
         for name, state in dcp.save(target, sharded, rank).items():
-            kind = kind_of(name, sharded[name])
-            entries[name] = {"kind": kind, "state": state, "digest": _digest(state, name), "sharded": True}
-        entries = {name: entries[name] for name in objects}  # the caller's order
+            entries[name].update(state=state, digest=_digest(state, name))
     try:
         rng = pack(RngState.capture(generators=generators).to_dict())
     except ReproError as e:
@@ -164,12 +162,6 @@ def save_checkpoint(path: str | os.PathLike[str], /, *, durable: str = "backgrou
         raise _write_error(out, cause, existed) from None
     _clock.observe(saved_at_ns, sequence)
     return str(out)
-
-
-def _sharded(obj: Any) -> bool:
-    from torchrepro.checkpoint.dcp import is_sharded
-
-    return is_sharded(obj)
 
 
 def _gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -13,8 +13,8 @@ Invariants:
   nodes above the blocks (``schedule``), then the mean (``/ V``) written where FSDP2 takes the
   reduced shard from. Every operation is elementwise, so each element has the bits of the
   unsharded ``InvariantDataParallel`` (and of one process), on any ``W`` dividing ``V``.
-- Before the last micro-batch the reduced shard is zeros, and ``.grad`` is put back as it was at
-  the end of each backward: nothing FSDP2 accumulates reaches the mean.
+- Before the last micro-batch the reduced shard is zeros, and the wrapper's post-accumulate hook
+  drops the ``.grad`` FSDP2 attaches from it at once: nothing FSDP2 accumulates reaches the mean.
 - The sum runs in FSDP2's ``reduce_dtype`` (a ``MixedPrecisionPolicy``'s, else the gradient's).
 - Memory per rank: the partial sums of ``W`` blocks of one shard each (``log2(A) + 1`` at most per
   block), the size of one unsharded gradient per level; never a full gradient per micro-batch.
@@ -50,6 +50,16 @@ def _fsdp_module_class() -> Any:
         except ImportError:
             return None
     return FSDPModule
+
+
+_EXTENSION_POINTS = (
+    "set_custom_reduce_scatter",
+    "set_all_reduce_hook",
+    "set_gradient_divide_factor",
+    "set_force_sum_reduction_for_comms",
+    "set_reduce_scatter_unused_params",
+)
+"""What ``ShardedReduction`` sets on every ``fully_shard`` module with parameters."""
 
 
 class _Slot:
@@ -111,27 +121,19 @@ class ShardedReduction:
         for fsdp in roots:
             if not _own_parameters(fsdp, roots):
                 continue
-            slot = _Slot(self, _name_of(module, fsdp))
-            for setter, value in (
-                ("set_custom_reduce_scatter", slot),
-                ("set_all_reduce_hook", slot.arrive),
-                ("set_gradient_divide_factor", 1.0),
-                ("set_force_sum_reduction_for_comms", True),
-            ):
-                method = getattr(fsdp, setter, None)
-                if method is None:
-                    raise InvariantTrainingError(
-                        f"InvariantDataParallel over FSDP2 needs FSDPModule.{setter} (torch >= 2.9); "
-                        f"this is torch {torch.__version__}: upgrade torch, or wrap the unsharded model."
-                    )
-                method(value)
-            unused = getattr(fsdp, "set_reduce_scatter_unused_params", None)
-            if unused is None:
+            missing = [name for name in _EXTENSION_POINTS if not hasattr(fsdp, name)]
+            if missing:
                 raise InvariantTrainingError(
-                    "InvariantDataParallel over FSDP2 needs FSDPModule.set_reduce_scatter_unused_params "
-                    f"(torch >= 2.9); this is torch {torch.__version__}."
+                    f"InvariantDataParallel over FSDP2 needs FSDPModule.{', .'.join(missing)}, which torch "
+                    f"{torch.__version__} lacks: upgrade torch, or wrap the unsharded model."
                 )
-            unused(True, recurse=False)  # a fixed flat layout: unused parameters reduce as zeros
+            slot = _Slot(self, _name_of(module, fsdp))
+            points: Any = fsdp  # an FSDPModule (nn.Module's typing knows no methods of it)
+            points.set_custom_reduce_scatter(slot)
+            points.set_all_reduce_hook(slot.arrive)
+            points.set_gradient_divide_factor(1.0)
+            points.set_force_sum_reduction_for_comms(True)
+            points.set_reduce_scatter_unused_params(True, recurse=False)  # a fixed flat layout
             self.slots.append(slot)
         self.v = 0
         self.a = 0
@@ -228,15 +230,9 @@ def _check_meshes(module: nn.Module, world: int, group: Any) -> None:
                 f"({p.placements}); HSDP and tensor parallelism are not supported: shard over one "
                 "mesh dimension (init_device_mesh(device, (world_size,)))."
             )
-        ranks = dist.get_process_group_ranks(mesh.get_group())
-        ours = (
-            dist.get_process_group_ranks(group)
-            if group is not None
-            else list(range(dist.get_world_size()))
-            if dist.is_initialized()
-            else [0]
-        )
-        if len(ranks) != world or list(ranks) != list(ours):
+        ranks = list(dist.get_process_group_ranks(mesh.get_group()))
+        ours = list(range(world)) if group is None else list(dist.get_process_group_ranks(group))
+        if ranks != ours:
             raise InvariantTrainingError(
                 f"InvariantDataParallel over FSDP2: parameter {name!r} is sharded over ranks {ranks}, "
                 f"but the wrapper reduces over ranks {ours}; pass process_group= the group of the "

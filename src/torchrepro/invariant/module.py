@@ -314,14 +314,11 @@ class InvariantDataParallel(nn.Module):
             self._sharded.end_micro_batch()
             self.peak_buffers = max(self.peak_buffers, self._sharded.peak)
             self._norms.end_micro_batch()
-            if k % a == a - 1:
+            if k % a == a - 1:  # before, _on_grad dropped the zeros FSDP2 attached
                 for p, carried in self._carry.items():
                     p.grad = carried if p.grad is None else carried + p.grad
                 self._carry = {}
                 self._finish_norms(world)
-            else:
-                for p in self._params:
-                    p.grad = None
             return
         assert self._acc is not None
         j = rank * a + k % a
