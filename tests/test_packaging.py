@@ -33,7 +33,7 @@ def test_metadata_has_classifiers_urls_and_extras() -> None:
     assert "Typing :: Typed" in meta["classifiers"] and (ROOT / "src/torchrepro/py.typed").exists()
     assert {"Homepage", "Documentation", "Issues"} <= set(meta["urls"])
     extras = set(meta["optional-dependencies"])
-    assert {"lightning", "transformers", "accelerate", "datasets", "numpy"} <= extras
+    assert {"lightning", "transformers", "accelerate", "datasets", "parquet", "numpy"} <= extras
 
 
 def test_the_classifiers_claim_exactly_the_python_the_tests_run_on() -> None:

@@ -16,9 +16,9 @@ Invariants:
   ``watch`` (which global RNGs a dataset draws from, the RNG objects it holds), ``rawrng`` (global
   RNG states read and written in interpreter memory, ``set_raw_access``), ``micro`` (the sampler of
   global batches' micro-batches), ``sharded`` (``ShardedDataset``: shards read seeded per sample),
-  ``shuffle`` (the keyed shuffle buffer and its replay), ``streaming`` (``SeededLoader`` over a
-  ``ShardedDataset``). Submodules load lazily
-  on first use of a public name: importing this package imports none of them.
+  ``formats`` (the Parquet, tar and JSONL readers of ``ShardedDataset.from_*``), ``shuffle`` (the
+  keyed shuffle buffer and its replay), ``streaming`` (``SeededLoader`` over a ``ShardedDataset``).
+  Submodules load lazily on first use of a public name: importing this package imports none of them.
 """
 
 from __future__ import annotations

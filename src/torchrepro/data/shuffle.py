@@ -26,11 +26,13 @@ Id = tuple[int, int]  # (shard position in the epoch's order, offset in the shar
 class ShuffleBuffer:
     """The state of the shuffle: the buffered items and how many were emitted."""
 
-    def __init__(self, seed: int, epoch: int, capacity: int) -> None:
+    def __init__(self, seed: int, epoch: int, capacity: int, partition: int | None = None) -> None:
         self.capacity = max(int(capacity), 1)
         self.items: list[Any] = []
         self.emitted = 0
-        self._key = Deriver(seed, ("shuffle", epoch), 3)
+        # A partitioned stream's partition p keys its buffer by (seed, "shuffle", epoch, p, k).
+        where = ("shuffle", epoch) if partition is None else ("shuffle", epoch, partition)
+        self._key = Deriver(seed, where, len(where) + 1)
         self._keys: list[int] = []
         self._keys_from = 0
 

@@ -42,6 +42,17 @@ from torchrepro.data.loader import (
     fixed_shard,
 )
 from torchrepro.data.micro import check_global_batch_size, micro_batches_per_rank
+from torchrepro.data.partitions import (
+    END,
+    Layout,
+    Partition,
+    Reader,
+    agree,
+    build,
+    check_partitions,
+    groups_for,
+    sources_of,
+)
 from torchrepro.data.rawrng import _python_mt, numpy_mt
 from torchrepro.data.sampler import FollowsGroup, Position
 from torchrepro.data.sharded import TASK_MARK, ShardedDataset, ShardTasks, Task, as_is
@@ -71,9 +82,12 @@ class _StreamSampler(Position, FollowsGroup, DistributedSampler[Task]):  # type:
         self.tasks: list[Task] = []
         self.lengths: dict[int, int] = {}  # shard index -> length, in `lengths_epoch`
         self.lengths_epoch = 0
+        self.feed: Reader | None = None  # a partitioned pass's demand-driven tasks
+        self.counts: dict[int, list[int]] = {}  # partitioned: shard index -> [kept, tokens]
+        self.counts_epoch = 0
 
     def __iter__(self) -> Iterator[Task]:
-        return iter(self.tasks)
+        return self.feed if self.feed is not None else iter(self.tasks)
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -117,9 +131,20 @@ class StreamingLoader(SeededLoader):
         world_size: int | None = None,
         global_batch_size: int | None = None,
         shuffle_buffer: int | None = None,
+        partitions: int | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         seed = checked_arguments(batch_size, shuffle, drop_last, seed, dataloader_kwargs)
+        if partitions is not None:
+            if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+                raise ValueError(f"partitions must be a positive int, got {partitions!r}.")
+            if global_batch_size is None:
+                raise LoaderConfigError(
+                    "partitions= shares a stream's global batches among the ranks by partition: pass "
+                    "global_batch_size= too (the samples of one optimizer step over all ranks, e.g. "
+                    "batch_size * world_size without accumulation) and drop_last=True."
+                )
+            check_partitions(dataset, partitions)
         if shuffle_buffer is None:
             shuffle_buffer = DEFAULT_SHUFFLE_BUFFER if shuffle else 1
         elif isinstance(shuffle_buffer, bool) or not isinstance(shuffle_buffer, int) or shuffle_buffer < 1:
@@ -163,6 +188,9 @@ class StreamingLoader(SeededLoader):
         self._collate = collate_fn
         self._buffer_size = shuffle_buffer
         self._global = global_batch_size
+        # Partitioned (explicitly, or 1 for a filtered, packed or mixed stream), else None.
+        self._partitions = partitions if partitions is not None else (1 if dataset.transformed else None)
+        self._split = partitions is not None  # ranks read their own partitions (with a process group)
 
     # -- shape ------------------------------------------------------------------------------
 
@@ -189,6 +217,11 @@ class StreamingLoader(SeededLoader):
         return size
 
     @property
+    def partitions(self) -> int | None:
+        """The partitions of the stream (None: the whole stream is read by every rank, as one)."""
+        return self._partitions
+
+    @property
     def accumulation_steps(self) -> int:
         return self._per_step(process_group(self._seeded_sampler.fixed_shard)[1])
 
@@ -196,7 +229,19 @@ class StreamingLoader(SeededLoader):
         """The batches a rank gets of each step: 1, or its micro-batches of a global batch."""
         if self._global is None:
             return 1
-        return micro_batches_per_rank(self._global, self._batch_size, world_size)
+        per_rank = micro_batches_per_rank(self._global, self._batch_size, world_size)
+        if self._split:
+            assert self._partitions is not None
+            groups_for(self._partitions, self._global // self._batch_size, world_size)
+        return per_rank
+
+    def _layout(self, world_size: int) -> Layout:
+        """Where the units of a step come from (a partitioned stream)."""
+        assert self._partitions is not None
+        if not self._split:
+            return Layout(1, 1, self._step(world_size))
+        v = self.micro_batches
+        return Layout(self._partitions, groups_for(self._partitions, v, world_size), self._step(world_size))
 
     def _step(self, world_size: int) -> int:
         """Samples of the global sequence one step consumes on ``world_size`` ranks."""
@@ -234,8 +279,7 @@ class StreamingLoader(SeededLoader):
         assert isinstance(pos, _StreamSampler)
         rank, world_size = process_group(pos.fixed_shard)
         per_step = self._per_step(world_size)
-        lengths = pos.lengths if pos.lengths_epoch == pos.epoch else {}
-        return {
+        state: dict[str, Any] = {
             "version": STATE_VERSION,
             "stream": True,
             "seed": self._seed,
@@ -243,7 +287,6 @@ class StreamingLoader(SeededLoader):
             "batches_consumed": batches,
             "samples_consumed": batches // per_step * self._step(world_size),
             "finished": finished,
-            "shard_lengths": [lengths.get(i) for i in range(len(self._stream.shards))],
             "num_shards": len(self._stream.shards),
             "batch_size": self._batch_size,
             "global_batch_size": self._global,
@@ -253,6 +296,23 @@ class StreamingLoader(SeededLoader):
             "rank": rank,
             "world_size": world_size,
         }
+        if self._partitions is None:
+            lengths = pos.lengths if pos.lengths_epoch == pos.epoch else {}
+            state["shard_lengths"] = [lengths.get(i) for i in range(len(self._stream.shards))]
+            return state
+        counts = pos.counts if pos.counts_epoch == pos.epoch else {}
+        sources, _, weights, exhausted = sources_of(self._stream)
+        state.update(
+            shard_counts=[counts.get(i) for i in range(len(self._stream.shards))],
+            partitions=self._partitions,
+            split=self._split,
+            sources=[len(source.shards) for source in sources],
+            weights=weights,
+            exhausted=exhausted,
+            filters=[len(source._filters) for source in sources],
+            pack=list(self._stream.packing) if self._stream.packing is not None else None,
+        )
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue after the position in ``state_dict``, on this loader's worker count and world
@@ -270,7 +330,7 @@ class StreamingLoader(SeededLoader):
                 f"{STATE_VERSION}."
             )
         expected = self.state_dict()
-        compared = (
+        compared: tuple[str, ...] = (
             "seed",
             "num_shards",
             "batch_size",
@@ -279,6 +339,8 @@ class StreamingLoader(SeededLoader):
             "shuffle",
             "drop_last",
         )
+        if self._partitions is not None:
+            compared += ("partitions", "split", "sources", "weights", "exhausted", "filters", "pack")
         mismatches = [
             f"{key}: state has {state_dict.get(key)!r}, this loader has {expected[key]!r}"
             for key in compared
@@ -288,17 +350,19 @@ class StreamingLoader(SeededLoader):
             raise DataLoaderStateError(
                 "Loader state does not fit this SeededLoader (" + "; ".join(mismatches) + "). Create the "
                 "loader with the same shards, seed, batch_size, global_batch_size, shuffle_buffer, "
-                "shuffle and drop_last as the run that saved the state."
+                "shuffle and drop_last (and partitions, mix, filters and packing) as the run that saved "
+                "the state."
             )
         for key in ("epoch", "batches_consumed", "samples_consumed", "world_size"):
             value = state_dict.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise DataLoaderStateError(f"Loader state has {key}={value!r}; expected an int >= 0.")
-        lengths = state_dict.get("shard_lengths")
+        field = "shard_lengths" if self._partitions is None else "shard_counts"
+        lengths = state_dict.get(field)
         if not isinstance(lengths, list) or len(lengths) != expected["num_shards"]:
-            raise DataLoaderStateError("Loader state has no shard_lengths list with one entry per shard.")
-        if any(n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0) for n in lengths):
-            raise DataLoaderStateError("Loader state has a shard length that is not an int >= 0.")
+            raise DataLoaderStateError(f"Loader state has no {field} list with one entry per shard.")
+        if any(n is not None and not _count(n, self._partitions is not None) for n in lengths):
+            raise DataLoaderStateError(f"Loader state has an entry of {field} that is not a count >= 0.")
         finished = state_dict.get("finished")
         if not isinstance(finished, bool):
             raise DataLoaderStateError(f"Loader state has finished={finished!r}; expected a bool.")
@@ -322,8 +386,12 @@ class StreamingLoader(SeededLoader):
                 )
             batches = samples // step * self._per_step(world_size)
         pos.restore(epoch, batches)
-        pos.lengths = {i: n for i, n in enumerate(lengths) if n is not None}
-        pos.lengths_epoch = epoch
+        if self._partitions is None:
+            pos.lengths = {i: n for i, n in enumerate(lengths) if n is not None}
+            pos.lengths_epoch = epoch
+        else:
+            pos.counts = {i: list(n) for i, n in enumerate(lengths) if n is not None}
+            pos.counts_epoch = epoch
 
     def _rest_is_empty(self) -> bool:
         """Whether the next pass, continuing a restored position, yields no batch: every shard of
@@ -331,6 +399,8 @@ class StreamingLoader(SeededLoader):
         incomplete step with ``drop_last``)."""
         pos = self._seeded_sampler
         assert isinstance(pos, _StreamSampler)
+        if self._partitions is not None:
+            return pos.pending and _partitioned_rest_is_empty(self)
         if not pos.pending or pos.lengths_epoch != pos.epoch or len(pos.lengths) < len(self._stream.shards):
             return False
         world_size = process_group(pos.fixed_shard)[1]
@@ -348,6 +418,8 @@ class _StreamIter(SeededLoaderIter):
     def _batches(self) -> Iterator[Any]:
         loader = self._loader
         assert isinstance(loader, StreamingLoader)
+        if loader._partitions is not None:
+            return _partitioned_pass(loader, self._received)
         return _pass(loader, self._received)
 
     def __len__(self) -> int:
@@ -456,3 +528,129 @@ def _collate(loader: StreamingLoader, samples: list[Any], key: Deriver, batch_in
         if np is not None:
             numpy_mt.restore(np, saved[1])
         torch.set_rng_state(saved[2])
+
+
+def _count(entry: Any, summary: bool) -> bool:
+    """Whether ``entry`` is a shard length (an int >= 0) or, ``summary``, ``[kept, tokens]``."""
+    if not summary:
+        return not isinstance(entry, bool) and isinstance(entry, int) and entry >= 0
+    return isinstance(entry, list) and len(entry) == 2 and all(_count(n, False) for n in entry)
+
+
+def _setup(loader: StreamingLoader, received: int) -> tuple[Any, ...]:
+    """A partitioned pass from ``received`` batches: its partitions replayed to the position."""
+    pos = loader._seeded_sampler
+    assert isinstance(pos, _StreamSampler) and loader._partitions is not None
+    epoch, seed = pos.epoch, loader._seed
+    if pos.counts_epoch != epoch:
+        pos.counts, pos.counts_epoch = {}, epoch
+    rank, world_size = process_group(pos.fixed_shard)
+    per_step = loader._per_step(world_size)
+    layout = loader._layout(world_size)
+    # Ranks read their own partitions when they can agree on the epoch's end (a process group).
+    split = loader._split and world_size > 1 and pos.fixed_shard is None
+    units = layout.owned(rank, world_size) if split else range(layout.step)
+    mine = layout.partitions_of(units) if split else range(layout.partitions)
+    reader = Reader(epoch, lambda: DataLoader.__iter__(loader))
+    pos.feed = reader
+    parts = build(
+        loader._stream,
+        seed,
+        epoch,
+        layout.partitions,
+        loader._shuffle,
+        loader._buffer_size,
+        pos.counts,
+        reader,
+        mine,
+    )
+    steps_done, skip = divmod(received, per_step)
+    consumed = steps_done * layout.step
+    for p, part in parts.items():
+        part.replay(layout.taken(p, consumed))
+    return pos, rank, world_size, per_step, layout, split, units, reader, parts, steps_done, skip
+
+
+def _partitioned_pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
+    """The batches of a partitioned pass after the ``received`` ones."""
+    pos, rank, world_size, per_step, layout, split, units, reader, parts, step_index, skip = _setup(
+        loader, received
+    )
+    try:
+        yield from _steps(
+            loader, pos, rank, world_size, per_step, layout, split, units, reader, parts, step_index, skip
+        )
+    finally:  # the inner iterator goes now, in this process (a later pass's workers must not inherit it)
+        reader.close()
+        if pos.feed is reader:
+            pos.feed = None
+
+
+def _steps(
+    loader: StreamingLoader,
+    pos: _StreamSampler,
+    rank: int,
+    world_size: int,
+    per_step: int,
+    layout: Layout,
+    split: bool,
+    units: range,
+    reader: Reader,
+    parts: dict[int, Partition],
+    step_index: int,
+    skip: int,
+) -> Iterator[Any]:
+    for part in parts.values():
+        part.preload()
+    batch_key = Deriver(loader._seed, ("batch", pos.epoch), 3)
+    group = world_size * per_step
+    m = loader._batch_size
+    share = layout.step // world_size
+    items: list[Any] = []
+    while True:
+        items = []
+        ok = True
+        for i in units:
+            sample = parts[layout.partition(step_index, i)].next()
+            if sample is END:
+                ok = False
+                break
+            items.append(sample)
+        if split:
+            ok, news = agree(ok, reader.news)
+            for index, summary in news:
+                pos.counts.setdefault(index, summary)
+        reader.news = []
+        if not ok:
+            break
+        own = items if split else items[rank * share : (rank + 1) * share]
+        for a in range(skip, per_step):
+            yield _collate(
+                loader, own[a * m : (a + 1) * m], batch_key, step_index * group + rank * per_step + a
+            )
+        skip = 0
+        step_index += 1
+    if items and not split and not loader.drop_last:  # the incomplete last step, shared as _pass does
+        cut = -(-len(items) // world_size)
+        padded = (items * (-(-cut * world_size // len(items))))[: cut * world_size]
+        yield _collate(loader, padded[rank * cut : (rank + 1) * cut], batch_key, step_index * group + rank)
+
+
+def _partitioned_rest_is_empty(loader: StreamingLoader) -> bool:
+    """Whether a restored position of a partitioned stream has no step left in its epoch: known only
+    when the state holds every shard's summary (else False)."""
+    pos = loader._seeded_sampler
+    assert isinstance(pos, _StreamSampler)
+    if pos.counts_epoch != pos.epoch or len(pos.counts) < len(loader._stream.shards):
+        return False
+    try:
+        layout, parts, steps_done = (lambda r: (r[4], r[8], r[9]))(_setup(loader, pos.batches))
+    finally:
+        pos.feed = None
+    consumed = steps_done * layout.step
+    for p, part in parts.items():
+        total = part.count_to_end()
+        need = layout.taken(p, consumed + (layout.step if (loader.drop_last or loader._global) else 1))
+        if total < need:
+            return True
+    return False

@@ -1,0 +1,185 @@
+"""Partitioned streams: ``SeededLoader(..., partitions=P)``, ``filter``, ``pack`` and ``mix``.
+
+The datasets (filtered; filtered and packed; a weighted mix of a filtered and a plain source) come
+from ``stream_scripts/partitions.py``: unequal shards, one empty, documents of random length
+(some empty), a filter drawing from ``sample_rng()``. Exhaustive where the space is small:
+num_workers in {0, 1, 2, 3} x world size in {1, 2, 4} give the one-process global batches; a
+resume at every global-batch boundary of a two-epoch run, onto other worker counts and world
+sizes, continues them. Real torchrun (gloo) on 2 and 4 processes: each rank reads only its own
+partitions' shards, every shard once an epoch, and the ranks' micro-batches are the one-process
+global batches; every state rank 0 saved resumes on one process. Negative controls: a plain
+DataLoader over the same filtered, packed or mixed dataset changes with num_workers, and so does
+a Hugging Face stream split by rank (``split_dataset_by_node``) with the world size.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers, 2 cores
+
+_SCRIPT = Path(__file__).parent / "stream_scripts" / "partitions.py"
+_spec = importlib.util.spec_from_file_location("stream_partitions", _SCRIPT)
+assert _spec is not None and _spec.loader is not None
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+DATASETS = script.datasets()
+V = script.GLOBAL // script.BATCH
+
+
+def global_batches(name: str, world: int, num_workers: int, epochs: int = 2, state: Any = None) -> list[Any]:
+    """The global batches of ``epochs`` passes, from ``world`` simulated ranks (``rank=``)."""
+    loaders = [
+        script.loader(DATASETS[name], num_workers=num_workers, rank=r, world_size=world) for r in range(world)
+    ]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    return merge([[b for _ in range(epochs) for b in loader] for loader in loaders])
+
+
+def merge(per_rank: list[list[Any]]) -> list[Any]:
+    """Global batches from each rank's micro-batches (each rank's block of every global batch)."""
+    a = V // len(per_rank)
+    steps = len(per_rank[0]) // a
+    assert all(len(batches) == steps * a for batches in per_rank)
+    return [[mb for batches in per_rank for mb in batches[s * a : (s + 1) * a]] for s in range(steps)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[Any]]:
+    return {name: global_batches(name, 1, 0) for name in DATASETS}
+
+
+def states_at_boundaries(name: str, world: int, num_workers: int = 0) -> list[dict[str, Any]]:
+    """Rank 0's state before the first global batch and after each one, over two epochs."""
+    loader = script.loader(DATASETS[name], num_workers=num_workers, rank=0, world_size=world)
+    states = [loader.state_dict()]
+    for _ in range(2):
+        for i, _batch in enumerate(loader, 1):
+            if i % loader.accumulation_steps == 0:
+                states.append(json.loads(json.dumps(loader.state_dict())))  # as a checkpoint holds it
+    return states
+
+
+def assert_resumes(
+    name: str, states: list[dict[str, Any]], ref: list[Any], shapes: list[tuple[int, int]]
+) -> None:
+    """Each state, resumed for two passes on the next of ``shapes``, continues ``ref``."""
+    assert len(states) == len(ref) + 1
+    for k, state in enumerate(states[:-1]):
+        shape = shapes[k % len(shapes)]
+        passes = 2 if state["epoch"] == 0 else 1  # the rest of epoch 0 (maybe empty) and epoch 1
+        assert global_batches(name, *shape, epochs=passes, state=state)[: len(ref) - k] == ref[k:], (
+            name,
+            k,
+            shape,
+        )
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_every_worker_count_and_world_size_gives_the_one_process_batches(
+    name: str, reference: dict[str, list[Any]]
+) -> None:
+    first = global_batches(name, 1, 0, epochs=1)
+    assert len(first) >= 4 and reference[name][: len(first)] == first
+    for world in (1, 2, 4):  # every worker count for the packed stream, 0 and 2 for the others
+        for num_workers in (0, 1, 2, 3) if name == "packed" else (0, 2):
+            if (world, num_workers) != (1, 0):
+                assert global_batches(name, world, num_workers, epochs=1) == first, (world, num_workers)
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_resume_at_every_global_batch_boundary_onto_other_shapes(
+    name: str, reference: dict[str, list[Any]]
+) -> None:
+    """A state saved by rank 0 of 2 after each global batch of two epochs (the end of the first
+    included) resumes on 1 and 4 processes, and on 2 with 3 workers: the rest of the run."""
+    assert_resumes(name, states_at_boundaries(name, 2), reference[name], [(4, 0), (1, 0), (4, 0), (2, 3)])
+
+
+@pytest.mark.parametrize("name", ["filtered", "packed"])
+def test_a_resume_reads_only_from_the_first_shard_still_buffered(
+    tmp_path: Path, monkeypatch, name: str
+) -> None:
+    """Without a shuffle buffer to refill, a resume 3/4 into the epoch reads only the shards from
+    each stream's position on (filtered: re-read from their start), not the epoch again."""
+    monkeypatch.setattr(script, "READS", str(tmp_path))
+    batches = list(script.loader(DATASETS[name], shuffle_buffer=1))
+    whole = sum(reads(tmp_path).values())
+    saver = script.loader(DATASETS[name], shuffle_buffer=1)
+    it = iter(saver)
+    for _ in range(len(batches) * 3 // 4):
+        next(it)
+    state = saver.state_dict()
+    for f in tmp_path.iterdir():
+        f.unlink()
+    resumed = script.loader(DATASETS[name], shuffle_buffer=1)
+    resumed.load_state_dict(state)
+    assert list(resumed) == batches[len(batches) * 3 // 4 :]
+    assert 0 < sum(reads(tmp_path).values()) < whole * 0.8, (reads(tmp_path), whole)  # reading it all: >= 1
+
+
+def reads(directory: Path, rank: int | None = None) -> Counter[int]:
+    """Samples read per shard, from the notes the readers leave (of one rank's processes)."""
+    counted: Counter[int] = Counter()
+    for f in directory.iterdir():
+        if f.name.startswith("rank") and (rank is None or f.name.startswith(f"rank{rank}-")):
+            for line in f.read_text().split("\n"):
+                if line:
+                    shard, n = map(int, line.split())
+                    counted[shard] += n
+    return counted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,num_workers", [(2, 2), (4, 0)])
+def test_torchrun_ranks_read_only_their_partitions(
+    tmp_path: Path, monkeypatch, world: int, num_workers: int, reference: dict[str, list[Any]]
+) -> None:
+    """Real torchrun (gloo): the ranks' micro-batches are the one-process global batches; all
+    ranks together read about what one process reads (each about 1/W of it), where every rank
+    would read all of it without partitions; every state rank 0 saved resumes on one process."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    monkeypatch.setattr(script, "READS", str(alone))
+    for name in DATASETS:
+        loader = script.loader(DATASETS[name])
+        for _ in range(2):
+            for _batch in loader:
+                pass
+    one = reads(alone)
+    out = tmp_path / "out.json"
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+        "OMP_NUM_THREADS": "1",
+        "TR_TEST_READS": str(ranks),
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    proc = subprocess.run(
+        [*cmd, str(_SCRIPT), str(out), str(num_workers)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    for name, ref in reference.items():
+        assert merge(result[name]["batches"]) == ref, name
+        assert_resumes(name, result[name]["states"], ref, [(1, 0)])
+    total = sum(one.values())
+    per_rank = [sum(reads(ranks, r).values()) for r in range(world)]
+    # Each rank also reads ahead (whole shards in flight, wasted where an epoch ends): on these
+    # 16-shard epochs that is up to a third more. Without partitions each rank reads all of it.
+    assert sum(per_rank) < total * 1.4, (per_rank, total)
+    assert all(0 < n < total * 1.5 / world for n in per_rank), (per_rank, total)
