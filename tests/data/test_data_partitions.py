@@ -24,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import torchrepro
+from torchrepro import DataLoaderStateError, LoaderConfigError, ShardReadError
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create")  # 3 workers, 2 cores
 
@@ -183,3 +188,193 @@ def test_torchrun_ranks_read_only_their_partitions(
     # 16-shard epochs that is up to a third more. Without partitions each rank reads all of it.
     assert sum(per_rank) < total * 1.4, (per_rank, total)
     assert all(0 < n < total * 1.5 / world for n in per_rank), (per_rank, total)
+
+
+# -- what each transform does ------------------------------------------------------------------
+
+
+def in_order(ds: torchrepro.ShardedDataset, **kwargs: Any) -> list[Any]:
+    """Every unit of one epoch, in stream order (one partition, no shuffling)."""
+    loader = torchrepro.SeededLoader(
+        ds, batch_size=1, shuffle=False, seed=5, collate_fn=lambda s: s[0], **kwargs
+    )
+    return list(loader)
+
+
+@pytest.mark.parametrize("seq_len", [1, 3, 6, 50])
+def test_packing_keeps_every_token_but_the_remainder(seq_len: int) -> None:
+    """The blocks are the documents' tokens (drawn per document, keyed: the same as unpacked)
+    cut every seq_len, with each token's position in its document and its document's number in
+    the block; only the last partial block is dropped."""
+    docs = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc)
+    documents = [torch.as_tensor(d["input_ids"], dtype=torch.int64) for d in in_order(docs)]
+    tokens = torch.cat(documents)
+    positions = torch.cat([torch.arange(len(d)) for d in documents])
+    starts = torch.cat([torch.arange(len(d)) == 0 for d in documents])
+    blocks = in_order(docs.pack(seq_len))
+    assert len(blocks) == len(tokens) // seq_len > 0
+    for b, block in enumerate(blocks):
+        cut = slice(b * seq_len, (b + 1) * seq_len)
+        assert torch.equal(block["input_ids"], tokens[cut])
+        assert torch.equal(block["position_ids"], positions[cut])
+        first = 1 if positions[cut][0] == 0 else 0  # a document continued from the last block is 0
+        expected = torch.cumsum(starts[cut].long(), 0) - first
+        assert torch.equal(block["document_ids"], expected)
+
+
+def test_filter_keeps_exactly_the_samples_the_predicate_keeps() -> None:
+    docs = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc)
+    every = [d["id"] for d in in_order(docs)]
+    kept = [d["id"] for d in in_order(docs.filter(lambda d: d["id"] % 3 != 0).filter(lambda d: d["id"] % 5))]
+    assert kept == [i for i in every if i % 3 and i % 5] and kept
+
+
+def counted_source(tag: int, shards: int, per_shard: int) -> torchrepro.ShardedDataset:
+    return torchrepro.ShardedDataset([(tag, s, per_shard) for s in range(shards)], _tagged)
+
+
+def _tagged(shard: tuple[int, int, int]):
+    tag, s, n = shard
+    return ({"source": tag, "id": s * 1000 + o} for o in range(n))
+
+
+def test_mix_draws_each_source_in_proportion() -> None:
+    """Over 6000 positions, each source's share is its weight's within 4 standard deviations."""
+    sources = [counted_source(0, 40, 200), counted_source(1, 40, 200), counted_source(2, 40, 200)]
+    weights = [0.5, 0.3, 0.2]
+    loader = torchrepro.SeededLoader(
+        torchrepro.ShardedDataset.mix(sources, weights), batch_size=100, seed=1, collate_fn=list
+    )
+    drawn = Counter[int]()
+    for i, batch in enumerate(loader):
+        drawn.update(s["source"] for s in batch)
+        if i == 59:
+            break
+    n = sum(drawn.values())
+    for a, w in enumerate(weights):
+        assert abs(drawn[a] / n - w) < 4 * (w * (1 - w) / n) ** 0.5, (drawn, n)
+
+
+def test_a_mix_stops_where_its_source_runs_out_or_skips_it() -> None:
+    small, large = counted_source(0, 2, 5), counted_source(1, 10, 100)
+    stop = in_order(torchrepro.ShardedDataset.mix([small, large], [0.5, 0.5]))
+    skip = in_order(torchrepro.ShardedDataset.mix([small, large], [0.5, 0.5], exhausted="skip"))
+    # "stop": every sample of the small source, then the stream ends at its next draw, long before
+    # the large source is read through; "skip": every sample of both, each once.
+    assert sum(s["source"] == 0 for s in stop) == 10
+    assert sum(s["source"] == 1 for s in stop) < 100
+    assert sorted((s["source"], s["id"]) for s in skip) == sorted(
+        [(0, s * 1000 + o) for s in range(2) for o in range(5)]
+        + [(1, s * 1000 + o) for s in range(10) for o in range(100)]
+    )
+    assert stop == skip[: len(stop)]  # the same draws until the small source runs out
+
+
+# -- negative controls ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["packed", "mixed"])
+def test_plain_dataloader_over_a_packed_or_mixed_stream_changes_with_num_workers(
+    name: str, rng_changes_ok: None
+) -> None:
+    """Negative control: a plain DataLoader hands each worker its own shards, which it packs and
+    mixes alone: the blocks and the mix change with num_workers."""
+    docs = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc)
+    code = torchrepro.ShardedDataset(range(8), script.read_code)
+    ds = docs.pack(6) if name == "packed" else torchrepro.ShardedDataset.mix([docs, code], weights=[0.7, 0.3])
+    zero = [script.collate(b) for b in DataLoader(ds, batch_size=2, collate_fn=list)]
+    two = [script.collate(b) for b in DataLoader(ds, batch_size=2, num_workers=2, collate_fn=list)]
+    assert zero != two
+
+
+def test_hf_stream_split_by_rank_changes_with_the_world_size(rng_changes_ok: None) -> None:
+    """Negative control: datasets' split_dataset_by_node gives rank r the shards r, r+W, ...:
+    the global batches differ between 1 and 2 processes. The same stream through
+    ShardedDataset.from_hf and partitions gives one sequence."""
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    hf = datasets.Dataset.from_dict({"id": list(range(96))}).to_iterable_dataset(num_shards=8)
+
+    def split(world: int) -> list[list[int]]:
+        per_rank = [
+            [
+                b["id"].tolist()
+                for b in DataLoader(split_dataset_by_node(hf, rank=r, world_size=world), batch_size=4)
+            ]
+            for r in range(world)
+        ]
+        return [mb for step in zip(*per_rank, strict=True) for mb in step]
+
+    assert split(1) != split(2)
+
+    def ours(world: int) -> list[Any]:
+        loaders = [
+            torchrepro.SeededLoader(
+                torchrepro.ShardedDataset.from_hf(hf),
+                batch_size=4,
+                global_batch_size=8,
+                drop_last=True,
+                partitions=4,
+                seed=0,
+                rank=r,
+                world_size=world,
+            )
+            for r in range(world)
+        ]
+        per_rank = [[b["id"].tolist() for b in loader] for loader in loaders]
+        a = 2 // world
+        return [
+            mb
+            for s in range(len(per_rank[0]) // a)
+            for batches in per_rank
+            for mb in batches[s * a : (s + 1) * a]
+        ]
+
+    assert ours(1) == ours(2) and len(ours(1)) == 24
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_bad_partitioned_configurations_say_what_to_change() -> None:
+    docs = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc)
+    with pytest.raises(LoaderConfigError, match="global_batch_size"):
+        torchrepro.SeededLoader(docs, batch_size=2, partitions=4, seed=0)
+    with pytest.raises(LoaderConfigError, match="has 16 shards"):
+        torchrepro.SeededLoader(
+            docs, batch_size=2, global_batch_size=4, drop_last=True, partitions=32, seed=0
+        )
+    three = script.loader(docs, rank=0, world_size=3)
+    with pytest.raises(LoaderConfigError, match="World sizes that work: 1, 2, 4"):
+        next(iter(three))
+    six = script.loader(docs, global_batch_size=12, rank=0, world_size=3)  # V = 6, P = 4
+    with pytest.raises(LoaderConfigError, match=r"dividing both \(1, 2\)"):
+        next(iter(six))
+    with pytest.raises(LoaderConfigError, match="filter the documents first"):
+        docs.pack(4).filter(bool)
+    with pytest.raises(LoaderConfigError, match="pack once"):
+        docs.pack(4).pack(4)
+    with pytest.raises(ValueError, match="one positive finite weight per source"):
+        torchrepro.ShardedDataset.mix([docs, docs], weights=[1.0, -1.0])
+    with pytest.raises(ValueError, match="exhausted must be one of"):
+        torchrepro.ShardedDataset.mix([docs], exhausted="cycle")
+    with pytest.raises(LoaderConfigError, match="packed differently"):
+        torchrepro.ShardedDataset.mix([docs.pack(4), docs])
+    with pytest.raises(ShardReadError, match=r"has \['id', 'input_ids', 'r'\]. Pass key="):
+        list(torchrepro.SeededLoader(docs.pack(4, key="tokens"), batch_size=1, seed=0))
+
+
+def test_a_state_of_another_pipeline_is_refused_by_name() -> None:
+    saver = script.loader(DATASETS["packed"])
+    next(iter(saver))
+    state = saver.state_dict()
+    docs = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc)
+    other = script.loader(docs.filter(script.keep).pack(5))
+    with pytest.raises(DataLoaderStateError, match=r"pack: state has \[6, 'input_ids'\]"):
+        other.load_state_dict(state)
+    unpartitioned = torchrepro.SeededLoader(
+        docs, batch_size=2, global_batch_size=8, drop_last=True, shuffle_buffer=6, seed=11
+    )
+    with pytest.raises(DataLoaderStateError, match="no shard_lengths list"):
+        unpartitioned.load_state_dict(state)
