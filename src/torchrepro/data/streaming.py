@@ -112,6 +112,13 @@ class StreamingLoader(SeededLoader):
     shards read this epoch), never the buffer's contents; ``load_state_dict`` resumes on another
     ``num_workers``, or another world size when its step divides the position, reading only the
     shards that still hold samples. The loader has no length (``len()`` raises ``TypeError``).
+
+    With ``partitions=P`` (which needs ``global_batch_size``), and for every filtered, packed or
+    mixed stream (one partition unless given), the sequence is built from partitions instead
+    (``data.partitions``): each a keyed stream over its own shards, so that under
+    ``torch.distributed`` a rank reads only its partitions' shards; the global batches are a
+    function of (seed, epoch, P, data) for any ``num_workers`` and any world size dividing ``P``
+    and the micro-batch count.
     """
 
     # Its torch iterator moves shards, not batches: a run's recorder takes the batches from the
