@@ -378,3 +378,19 @@ def test_a_state_of_another_pipeline_is_refused_by_name() -> None:
     )
     with pytest.raises(DataLoaderStateError, match="no shard_lengths list"):
         unpartitioned.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(DATASETS))
+def test_a_position_after_the_epochs_last_global_batch_has_an_empty_rest(name: str) -> None:
+    """What the Hugging Face integration asks of a restored stream: a state saved inside the loop
+    after the last global batch has nothing left in its epoch, one saved before it has."""
+    n = len(list(script.loader(DATASETS[name])))
+    for consumed, empty in ((n, True), (n - 4, False), (0, False)):
+        saver = script.loader(DATASETS[name])
+        it = iter(saver)
+        for _ in range(consumed):
+            next(it)
+        resumed = script.loader(DATASETS[name])
+        resumed.load_state_dict(saver.state_dict())
+        assert resumed._rest_is_empty() is empty, consumed
+        assert (list(resumed) == []) is empty

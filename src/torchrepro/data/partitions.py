@@ -405,10 +405,14 @@ class Partition:
                 if buffer.emitted == target:
                     break
 
-    def count_to_end(self) -> int:
-        """The outputs the partition gives in its epoch, from a replayed position (every summary known)."""
-        self._ids(list(self.frontier), None)
-        return self.buffer.emitted
+    def count_to_end(self) -> tuple[int, bool]:
+        """From a replayed position: the outputs the partition gives in its epoch and True, or,
+        when the summaries known do not reach its end, as many as they account for and False."""
+        try:
+            self._ids(list(self.frontier), None)
+        except DataLoaderStateError:
+            return self.buffer.emitted + len(self.buffer.items), False
+        return self.buffer.emitted, True
 
     def preload(self) -> None:
         """Read the units the replayed buffer holds; every source then stands at its next unit.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -544,11 +545,27 @@ def _count(entry: Any, summary: bool) -> bool:
     return isinstance(entry, list) and len(entry) == 2 and all(_count(n, False) for n in entry)
 
 
-def _setup(loader: StreamingLoader, received: int) -> tuple[Any, ...]:
+@dataclass
+class _Plan:
+    """A partitioned pass: where this rank stands and the partitions it reads, replayed to its start."""
+
+    rank: int
+    world_size: int
+    per_step: int  # micro-batches of a step this rank yields
+    layout: Layout
+    split: bool  # this rank reads only its own partitions (and agrees with the others each step)
+    units: range  # the units of a step this rank builds
+    reader: Reader
+    parts: dict[int, Partition]
+    step: int  # the step the pass continues at
+    skip: int  # micro-batches of that step already received
+
+
+def _plan(loader: StreamingLoader, received: int) -> _Plan:
     """A partitioned pass from ``received`` batches: its partitions replayed to the position."""
     pos = loader._seeded_sampler
     assert isinstance(pos, _StreamSampler) and loader._partitions is not None
-    epoch, seed = pos.epoch, loader._seed
+    epoch = pos.epoch
     if pos.counts_epoch != epoch:
         pos.counts, pos.counts_epoch = {}, epoch
     rank, world_size = process_group(pos.fixed_shard)
@@ -560,104 +577,82 @@ def _setup(loader: StreamingLoader, received: int) -> tuple[Any, ...]:
     mine = layout.partitions_of(units) if split else range(layout.partitions)
     reader = Reader(epoch, lambda: DataLoader.__iter__(loader))
     pos.feed = reader
+    stream, capacity = loader._stream, loader._buffer_size
     parts = build(
-        loader._stream,
-        seed,
-        epoch,
-        layout.partitions,
-        loader._shuffle,
-        loader._buffer_size,
-        pos.counts,
-        reader,
-        mine,
+        stream, loader._seed, epoch, layout.partitions, loader._shuffle, capacity, pos.counts, reader, mine
     )
-    steps_done, skip = divmod(received, per_step)
-    consumed = steps_done * layout.step
+    step, skip = divmod(received, per_step)
     for p, part in parts.items():
-        part.replay(layout.taken(p, consumed))
-    return pos, rank, world_size, per_step, layout, split, units, reader, parts, steps_done, skip
+        part.replay(layout.taken(p, step * layout.step))
+    return _Plan(rank, world_size, per_step, layout, split, units, reader, parts, step, skip)
 
 
 def _partitioned_pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
     """The batches of a partitioned pass after the ``received`` ones."""
-    pos, rank, world_size, per_step, layout, split, units, reader, parts, step_index, skip = _setup(
-        loader, received
-    )
+    plan = _plan(loader, received)
+    pos = loader._seeded_sampler
+    assert isinstance(pos, _StreamSampler)
     try:
-        yield from _steps(
-            loader, pos, rank, world_size, per_step, layout, split, units, reader, parts, step_index, skip
-        )
+        yield from _steps(loader, plan)
     finally:  # the inner iterator goes now, in this process (a later pass's workers must not inherit it)
-        reader.close()
-        if pos.feed is reader:
+        plan.reader.close()
+        if pos.feed is plan.reader:
             pos.feed = None
 
 
-def _steps(
-    loader: StreamingLoader,
-    pos: _StreamSampler,
-    rank: int,
-    world_size: int,
-    per_step: int,
-    layout: Layout,
-    split: bool,
-    units: range,
-    reader: Reader,
-    parts: dict[int, Partition],
-    step_index: int,
-    skip: int,
-) -> Iterator[Any]:
-    for part in parts.values():
+def _steps(loader: StreamingLoader, plan: _Plan) -> Iterator[Any]:
+    pos = loader._seeded_sampler
+    assert isinstance(pos, _StreamSampler)
+    for part in plan.parts.values():
         part.preload()
+    rank, world_size, per_step, layout = plan.rank, plan.world_size, plan.per_step, plan.layout
     batch_key = Deriver(loader._seed, ("batch", pos.epoch), 3)
     group = world_size * per_step
     m = loader._batch_size
     share = layout.step // world_size
+    step, skip = plan.step, plan.skip
     items: list[Any] = []
     while True:
         items = []
         ok = True
-        for i in units:
-            sample = parts[layout.partition(step_index, i)].next()
+        for i in plan.units:
+            sample = plan.parts[layout.partition(step, i)].next()
             if sample is END:
                 ok = False
                 break
             items.append(sample)
-        if split:
-            ok, news = agree(ok, reader.news)
+        if plan.split:
+            ok, news = agree(ok, plan.reader.news)
             for index, summary in news:
                 pos.counts.setdefault(index, summary)
-        reader.news = []
+        plan.reader.news = []
         if not ok:
             break
-        own = items if split else items[rank * share : (rank + 1) * share]
+        own = items if plan.split else items[rank * share : (rank + 1) * share]
         for a in range(skip, per_step):
-            yield _collate(
-                loader, own[a * m : (a + 1) * m], batch_key, step_index * group + rank * per_step + a
-            )
+            yield _collate(loader, own[a * m : (a + 1) * m], batch_key, step * group + rank * per_step + a)
         skip = 0
-        step_index += 1
-    if items and not split and not loader.drop_last:  # the incomplete last step, shared as _pass does
+        step += 1
+    if items and not plan.split and not loader.drop_last:  # the incomplete last step, shared as _pass does
         cut = -(-len(items) // world_size)
         padded = (items * (-(-cut * world_size // len(items))))[: cut * world_size]
-        yield _collate(loader, padded[rank * cut : (rank + 1) * cut], batch_key, step_index * group + rank)
+        yield _collate(loader, padded[rank * cut : (rank + 1) * cut], batch_key, step * group + rank)
 
 
 def _partitioned_rest_is_empty(loader: StreamingLoader) -> bool:
-    """Whether a restored position of a partitioned stream has no step left in its epoch: known only
-    when the state holds every shard's summary (else False)."""
+    """Whether a restored position of a partitioned stream has no step left in its epoch: some
+    partition's shards are all known and hold too few units for the next step (False when no
+    state says so)."""
     pos = loader._seeded_sampler
     assert isinstance(pos, _StreamSampler)
-    if pos.counts_epoch != pos.epoch or len(pos.counts) < len(loader._stream.shards):
-        return False
     try:
-        layout, parts, steps_done = (lambda r: (r[4], r[8], r[9]))(_setup(loader, pos.batches))
+        plan = _plan(loader, pos.batches)
     finally:
         pos.feed = None
-    consumed = steps_done * layout.step
-    for p, part in parts.items():
-        total = part.count_to_end()
-        need = layout.taken(p, consumed + (layout.step if (loader.drop_last or loader._global) else 1))
-        if total < need:
+    layout = plan.layout
+    following = plan.step * layout.step + (layout.step if loader.drop_last else 1)
+    for p, part in plan.parts.items():
+        total, complete = part.count_to_end()
+        if complete and total < layout.taken(p, following):
             return True
     return False
