@@ -317,6 +317,9 @@ STREAM_END = ["--stream", "--epochs", "2", "--every", "9"]  # killed at 11, last
 STREAM_LIMIT = [*STREAM, "--limit", "6"]  # limit_train_batches=6: checkpoints at 4, 8
 STREAM_DDP = ["--stream", "--devices", "2", "--epochs", "2", "--every", "3"]  # checkpoints at 3, 6, 9
 STREAM_DDP_KILL = 7  # last.ckpt: step 6, epoch 1 after 1 of its 5 steps
+# Global batches of 8 from 2 partitions, each rank reading its own: 4 steps in epoch 0, 3 in epoch 1.
+STREAM_PARTS = ["--stream", "--partitions", "2", "--devices", "2", "--epochs", "2", "--every", "3"]
+STREAM_PARTS_KILL = 5  # last.ckpt: step 3, epoch 0 after 3 of its 4 steps
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +342,10 @@ def stream_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         r["stock_kill"] = runner.start("stock_kill", *stock, "--kill-at", str(STREAM_KILL))
         r["ddp_full"] = runner.start("ddp_full", *STREAM_DDP, ranks=2)
         r["ddp_kill"] = runner.start("ddp_kill", *STREAM_DDP, "--kill-at", str(STREAM_DDP_KILL), ranks=2)
+        r["parts_full"] = runner.start("parts_full", *STREAM_PARTS, ranks=2)
+        r["parts_kill"] = runner.start(
+            "parts_kill", *STREAM_PARTS, "--workers", "2", "--kill-at", str(STREAM_PARTS_KILL), ranks=2
+        )
         runner.wait(*r.values())
         # Wave 2: the resumes, each in a new process, on another worker count than the killed run.
         r["resume"] = runner.start("resume", *STREAM, "--resume", r["kill"].last())
@@ -347,6 +354,9 @@ def stream_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         r["limit_resume"] = runner.start("limit_resume", *STREAM_LIMIT, "--resume", r["limit_kill"].last())
         r["stock_resume"] = runner.start("stock_resume", *stock, "--resume", r["stock_kill"].last())
         r["ddp_resume"] = runner.start("ddp_resume", *STREAM_DDP, "--resume", r["ddp_kill"].last(), ranks=2)
+        r["parts_resume"] = runner.start(
+            "parts_resume", *STREAM_PARTS, "--resume", r["parts_kill"].last(), ranks=2
+        )
         runner.wait(*(run for run in r.values() if not run.codes))
         yield r
     finally:
@@ -441,6 +451,26 @@ def test_stream_ddp_killed_mid_epoch_and_resumed_equals_uninterrupted(stream_run
     assert (state["epoch"], state["batches_consumed"], state["world_size"]) == (1, 1, 2)
     run = stream_runs["ddp_resume"]
     assert _same(run.final(), stream_runs["ddp_full"].final()), run.text()
+
+
+@pytest.mark.slow
+def test_partitioned_stream_under_ddp_killed_mid_epoch_and_resumed_equals_uninterrupted(
+    stream_runs: dict[str, Run],
+) -> None:
+    """Partitions under Lightning DDP: each rank reads only its partition (the ranks agree on each
+    epoch's end), the position saved is the loop's, and the resume (from 2 workers onto 0) trains
+    the uninterrupted run's bits."""
+    _killed(stream_runs["parts_kill"])
+    state = _loader_state(stream_runs["parts_kill"])
+    assert (state["epoch"], state["batches_consumed"], state["partitions"], state["world_size"]) == (
+        0,
+        3,
+        2,
+        2,
+    )
+    run = stream_runs["parts_resume"]
+    assert _same(run.final(), stream_runs["parts_full"].final()), run.text()
+    assert not _same(run.final(), stream_runs["ddp_full"].final())
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """A tiny Lightning fit (dropout, a dataset drawing noise per sample) that can kill itself and resume.
 
 Usage: python train.py OUT [--variant torchrepro|stock] [--stream] [--devices N] [--workers N]
-       [--epochs N] [--every N] [--limit N] [--kill-at STEP] [--resume CKPT]
+       [--epochs N] [--every N] [--limit N] [--partitions P] [--kill-at STEP] [--resume CKPT]
 
 - ``torchrepro``: ``TorchreproCallback`` and a ``SeededLoader``; ``stock``: no callback, a plain
   ``DataLoader(shuffle=True)`` and ``lightning.seed_everything`` (what Lightning users do).
@@ -11,6 +11,8 @@ Usage: python train.py OUT [--variant torchrepro|stock] [--stream] [--devices N]
   reads every ``num_workers``-th shard). Every shard opened is noted in ``OUT/reads.<pid>.txt``
   as ``shard start seed`` (``seed``: torch's initial seed when the shard opens, which the
   streamed loader sets from (seed, epoch, shard, start)). ``--limit N``: ``limit_train_batches=N``.
+  ``--partitions P`` (with ``--stream``): global batches of 8 from ``P`` partitions, each rank
+  reading only its own (``SeededLoader(..., global_batch_size=8, partitions=P)``).
 - Checkpoints every ``--every`` optimizer steps to ``OUT/ckpt`` (``last.ckpt`` is the newest);
   with ``--kill-at K`` every rank SIGKILLs itself when batch K is about to start.
 - Rank 0 writes the final parameters to ``OUT/final.pt``, every rank the determinism mode in
@@ -78,9 +80,11 @@ def shards() -> IterableDataset[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class Net(pl.LightningModule):
-    def __init__(self, variant: str, workers: int, stream: bool = False) -> None:
+    def __init__(
+        self, variant: str, workers: int, stream: bool = False, partitions: int | None = None
+    ) -> None:
         super().__init__()
-        self.variant, self.workers, self.stream = variant, workers, stream
+        self.variant, self.workers, self.stream, self.partitions = variant, workers, stream, partitions
         self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 1))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -99,6 +103,16 @@ class Net(pl.LightningModule):
         if self.stream:
             if self.variant == "stock":
                 return DataLoader(shards(), batch_size=4, num_workers=self.workers)
+            if self.partitions is not None:
+                return torchrepro.SeededLoader(
+                    shards(),
+                    batch_size=4,
+                    global_batch_size=8,
+                    drop_last=True,
+                    partitions=self.partitions,
+                    num_workers=self.workers,
+                    shuffle_buffer=8,
+                )
             return torchrepro.SeededLoader(shards(), batch_size=4, num_workers=self.workers, shuffle_buffer=8)
         data = NoisyPoints(32)
         if self.variant == "stock":
@@ -130,6 +144,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--resume", default=None)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--partitions", type=int, default=None)
     args = parser.parse_args(argv)
     global READS
     READS = args.out
@@ -143,7 +158,7 @@ def main(argv: list[str]) -> int:
     else:
         torchrepro.seed_everything(SEED)  # before the model is built: same initial weights
         callbacks.append(TorchreproCallback(seed=SEED))
-    model = Net(args.variant, args.workers, args.stream)
+    model = Net(args.variant, args.workers, args.stream, args.partitions)
     callbacks.append(
         ModelCheckpoint(
             dirpath=args.out / "ckpt", every_n_train_steps=args.every, save_last=True, save_top_k=-1
