@@ -14,6 +14,7 @@ a Hugging Face stream split by rank (``split_dataset_by_node``) with the world s
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -147,14 +148,25 @@ def reads(directory: Path, rank: int | None = None) -> Counter[int]:
     return counted
 
 
+@functools.cache
+def trained_alone() -> list[float]:
+    return script.train(DATASETS["packed"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world,num_workers", [(2, 2), (4, 0)])
 def test_torchrun_ranks_read_only_their_partitions(
-    tmp_path: Path, monkeypatch, world: int, num_workers: int, reference: dict[str, list[Any]]
+    tmp_path: Path,
+    monkeypatch,
+    world: int,
+    num_workers: int,
+    reference: dict[str, list[Any]],
+    rng_changes_ok: None,
 ) -> None:
-    """Real torchrun (gloo): the ranks' micro-batches are the one-process global batches; all
-    ranks together read about what one process reads (each about 1/W of it), where every rank
-    would read all of it without partitions; every state rank 0 saved resumes on one process."""
+    """Real torchrun (gloo): the ranks' micro-batches are the one-process global batches, and a
+    model trained on them under InvariantDataParallel ends with one process's weights; all ranks
+    together read about what one process reads (each about 1/W of it), where every rank would
+    read all of it without partitions; every state rank 0 saved resumes on one process."""
     alone = tmp_path / "alone"
     alone.mkdir()
     monkeypatch.setattr(script, "READS", str(alone))
@@ -179,6 +191,7 @@ def test_torchrun_ranks_read_only_their_partitions(
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
+    assert result["trained"] == trained_alone()  # InvariantDataParallel on the packed stream
     for name, ref in reference.items():
         assert merge(result[name]["batches"]) == ref, name
         assert_resumes(name, result[name]["states"], ref, [(1, 0)])

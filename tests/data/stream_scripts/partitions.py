@@ -1,8 +1,9 @@
 """Each rank of a torchrun launch streams partitioned data, reading only its own partitions: rank 0
 writes every rank's micro-batches of two epochs, rank 0's loader state at every global-batch
-boundary, and which shards (and how many samples) each rank read.
+boundary, and the weights of a model trained two epochs on the packed stream under
+InvariantDataParallel (each process notes the shards it reads in READS_DIR).
 
-python -m torch.distributed.run --nproc-per-node W partitions.py OUT.json READS_DIR NUM_WORKERS
+TR_TEST_READS=DIR python -m torch.distributed.run --nproc-per-node W partitions.py OUT.json NUM_WORKERS
 
 The datasets are defined here and imported by tests/data/test_data_partitions.py, which computes the
 one-process sequence in process and compares.
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.data import default_collate
 
 import torchrepro
 
@@ -90,6 +93,22 @@ def loader(ds: torchrepro.ShardedDataset, **kwargs: Any) -> torchrepro.SeededLoa
     return torchrepro.SeededLoader(ds, **{**options, **kwargs})
 
 
+def train(ds: torchrepro.ShardedDataset, **kwargs: Any) -> list[float]:
+    """Two epochs of a tiny model with dropout under InvariantDataParallel; its final weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(4096, 4), nn.Dropout(0.2), nn.Flatten(), nn.Linear(24, 1))
+    stream = loader(ds, collate_fn=default_collate, **kwargs)
+    model = torchrepro.InvariantDataParallel(net, stream)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        for i, batch in enumerate(stream):
+            model(batch["input_ids"] % 4096).pow(2).mean().backward()
+            if (i + 1) % stream.accumulation_steps == 0:
+                opt.step()
+                opt.zero_grad()
+    return [float(v) for p in net.parameters() for v in p.detach().flatten()]
+
+
 def main() -> None:
     out, num_workers = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
@@ -106,6 +125,9 @@ def main() -> None:
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, batches)
         result[name] = {"batches": gathered, "states": states}
+    global READS
+    READS = None  # the reads noted are the loaders' above
+    result["trained"] = train(datasets()["packed"], num_workers=num_workers)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()
