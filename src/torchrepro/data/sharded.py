@@ -242,7 +242,8 @@ class ShardedDataset(IterableDataset[Any]):
         partition's stream there (the proportions hold to the end; what the other sources still
         hold waits for the next epoch), ``exhausted="skip"`` draws among the sources left (the
         stream ends with the last one; its tail has other proportions). The sources' filters and
-        packing are kept; all must be packed alike or not at all.
+        packing are kept; all must be packed alike or not at all. The mix lists its sources'
+        shards one after another, and a sample's key names its shard's index in that list.
         """
         if isinstance(datasets, ShardedDataset) or not isinstance(datasets, Sequence) or not datasets:
             raise TypeError(
