@@ -105,6 +105,13 @@ def test_every_worker_count_and_world_size_gives_the_one_process_batches(
                 assert global_batches(name, world, num_workers, epochs=1) == first, (world, num_workers)
 
 
+def test_persistent_workers_keep_the_batches_across_epochs(reference: dict[str, list[Any]]) -> None:
+    """Persistent workers outlive a pass that ended with shards still in flight (the epoch ends at
+    the first partition that runs out): the next epochs are unchanged."""
+    stream = script.loader(DATASETS["mixed"], num_workers=2, persistent_workers=True, prefetch_factor=3)
+    assert [b for _ in range(2) for b in stream] == [mb for step in reference["mixed"] for mb in step]
+
+
 @pytest.mark.parametrize("name", sorted(DATASETS))
 def test_resume_at_every_global_batch_boundary_onto_other_shapes(
     name: str, reference: dict[str, list[Any]]
