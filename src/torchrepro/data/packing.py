@@ -68,25 +68,25 @@ class Packer:
         """The whole blocks the documents added so far complete."""
         seq_len = self.seq_len
         while self.available >= seq_len:
-            parts, positions, documents = [], [], []
+            parts, lengths, shifts = [], [], []
             need = seq_len
-            doc = 0
             while need:
                 piece = self.pending[0]
                 tokens, start = piece
                 take = min(need, len(tokens) - start)
                 parts.append(tokens[start : start + take])
-                positions.append(torch.arange(start, start + take, dtype=torch.int64))
-                documents.append(torch.full((take,), doc, dtype=torch.int64))
+                lengths.append(take)
+                shifts.append(start - (seq_len - need))  # position in the document - in the block
                 need -= take
-                doc += 1
                 if start + take == len(tokens):
                     self.pending.popleft()
                 else:
                     piece[1] = start + take
             self.available -= seq_len
+            counts = torch.tensor(lengths)
             yield {
-                self.key: torch.cat(parts),
-                POSITIONS: torch.cat(positions),
-                DOCUMENTS: torch.cat(documents),
+                self.key: parts[0] if len(parts) == 1 else torch.cat(parts),
+                POSITIONS: torch.arange(seq_len)
+                + torch.repeat_interleave(torch.tensor(shifts), counts, output_size=seq_len),
+                DOCUMENTS: torch.repeat_interleave(torch.arange(len(parts)), counts, output_size=seq_len),
             }

@@ -149,6 +149,7 @@ class Reader:
         self.tasks: list[deque[tuple[int, int]]] = []
         self.weights: list[float] = []
         self.inflight: list[int] = []
+        self.stashed: list[int] = []  # units read for each stream and not yet handed to it
         self.owner: dict[int, int] = {}
         self.stash: dict[int, tuple[list[Any], Summary]] = {}
         self.waiting: int | None = None
@@ -161,6 +162,7 @@ class Reader:
         self.tasks.append(deque())
         self.weights.append(weight)
         self.inflight.append(0)
+        self.stashed.append(0)
 
     def plan(self, stream: Stream, index: int, start: int) -> None:
         """``stream`` reads shard ``index`` (from ``start``) after those it planned before."""
@@ -180,7 +182,8 @@ class Reader:
             best = math.inf
             for s, queue in enumerate(self.tasks):
                 if queue:
-                    ahead = (len(self.streams[s].queue) + self.inflight[s] * per_shard) / self.weights[s]
+                    ready = len(self.streams[s].queue) + self.stashed[s]
+                    ahead = (ready + self.inflight[s] * per_shard) / self.weights[s]
                     if ahead < best:
                         chosen, best = s, ahead
         if chosen is None:
@@ -210,16 +213,23 @@ class Reader:
                 items = pickle.loads(payload) if isinstance(payload, bytes) else payload
                 self.stash[got] = (items, list(summary))
                 self.inflight[self.owner[got]] -= 1
+                self.stashed[self.owner[got]] += len(items)
                 self.units[0] += len(items)
                 self.units[1] += 1
         finally:
             self.waiting = None
-        return self.stash.pop(index)
+        items, summary = self.stash.pop(index)
+        self.stashed[self.owner[index]] -= len(items)
+        return items, summary
 
 
 class Stream:
     """One source's units in one partition: its shards in order, each sample (or packed block)
-    numbered from 0 in the epoch."""
+    numbered from 0 in the epoch.
+
+    A resume reads it in segments: a run of consecutive shards, entered at a unit whose position
+    the shards' summaries give (``plan``); the shards between segments hold no unit still wanted.
+    """
 
     def __init__(
         self,
@@ -237,9 +247,11 @@ class Stream:
         self.reader = reader
         self.seekable = seekable  # an unfiltered shard whose read_shard takes start
         self.queue: deque[tuple[int, Any]] = deque()
-        self.next_shard = 0
+        self.order: list[int] = []  # the positions (in ``shards``) to read, in order
+        self.cursor = 0
+        self.entries: dict[int, tuple[int, int]] = {}  # position -> (unit, skip) where a segment starts
         self.unit = 0  # the unit the next one read is
-        self.skip = 0  # samples (unpacked) to drop from the next shard
+        self.skip = 0  # samples (unpacked) to drop from the shard being entered
         self.packer = Packer(*pack) if pack is not None else None
 
     def _units(self, kept: int, tokens: int) -> int:
@@ -255,47 +267,62 @@ class Stream:
             kept, tokens = kept + summary[0], tokens + summary[1]
         return self._units(kept, tokens), True
 
-    def seek(self, unit: int) -> None:
-        """Make ``unit`` the next unit read (from the summaries), and plan the shards from there."""
-        kept = tokens = 0
-        size = 1 if self.pack is None else self.pack[0]
-        target = unit * size
-        j = 0
+    def _locate(self, item: int) -> tuple[int, int]:
+        """``(position, offset)``: the shard holding item ``item`` (a sample, or a token packed)
+        and its offset there, from the summaries; the first shard not known when none holds it."""
+        have = 0
+        column = 0 if self.pack is None else 1
         for j, index in enumerate(self.shards):
             summary = self.counts.get(index)
-            have = tokens if self.pack is not None else kept
-            if summary is None or target < have + (summary[1] if self.pack is not None else summary[0]):
-                if summary is None and target != have:
+            if summary is None:
+                if item != have:
                     raise DataLoaderStateError(
                         "The loader's position lies in a shard whose length this state does not hold; "
                         "load a state saved by this loader's state_dict()."
                     )
-                self._start(j, target - have)
-                self.unit = unit
-                return
-            kept, tokens = kept + summary[0], tokens + summary[1]
-        self._start(len(self.shards), 0)
-        self.unit = unit
+                return j, 0
+            if item < have + summary[column]:
+                return j, item - have
+            have += summary[column]
+        return len(self.shards), 0
 
-    def _start(self, j: int, skip: int) -> None:
-        self.next_shard = j
-        if self.packer is not None:
-            self.packer = Packer(self.packer.seq_len, self.packer.key, skip)
-            skip = 0
-        self.skip = skip
-        for k in range(j, len(self.shards)):
-            self.reader.plan(self, self.shards[k], skip if (k == j and self.seekable) else 0)
+    def plan(self, wanted: set[int], frontier: int) -> None:
+        """Read the units in ``wanted`` and every unit from ``frontier`` on: only the shards that
+        hold them, each run of consecutive ones entered at its first unit."""
+        size = 1 if self.pack is None else self.pack[0]
+        order: list[int] = []
+        for unit in [*sorted(wanted), frontier]:
+            j, skip = self._locate(unit * size)
+            last = len(self.shards) - 1 if unit == frontier else self._locate((unit + 1) * size - 1)[0]
+            if order and j <= order[-1] + 1:  # reading on from the run planned produces it
+                order.extend(range(order[-1] + 1, min(last, len(self.shards) - 1) + 1))
+                continue
+            self.entries[j] = (unit, skip)
+            order.extend(range(j, min(last, len(self.shards) - 1) + 1))
+        self.order = order
+        for j in order:
+            entry = self.entries.get(j)
+            start = entry[1] if entry is not None and self.seekable else 0
+            self.reader.plan(self, self.shards[j], start)
 
     def fill(self) -> bool:
         """Whether a unit is ready (reading shards until one is, or the stream ends)."""
         while not self.queue:
-            if self.next_shard >= len(self.shards):
+            if self.cursor >= len(self.order):
                 return False
-            index = self.shards[self.next_shard]
+            j = self.order[self.cursor]
+            self.cursor += 1
+            entry = self.entries.get(j)
+            if entry is not None:  # a segment starts: its first unit, and where it lies in the shard
+                self.unit, skip = entry
+                if self.packer is not None:
+                    self.packer = Packer(self.packer.seq_len, self.packer.key, skip)
+                else:
+                    self.skip = skip
+            index = self.shards[j]
             items, summary = self.reader.get(index)
             self.counts[index] = summary
             self.reader.news.append((index, summary))
-            self.next_shard += 1
             if self.packer is None:
                 read_from = self.skip if self.seekable else 0
                 items = items[self.skip - read_from :] if self.skip else items
@@ -365,8 +392,9 @@ class Partition:
         return a if state else None
 
     def replay(self, target: int) -> None:
-        """Bring the partition to ``target`` outputs from the summaries alone, and seek every
-        source to the first unit it still has to read (``preload`` then reads the buffered ones)."""
+        """Bring the partition to ``target`` outputs from the summaries alone, and plan every
+        source's reads: the units still buffered, and all from its next one (``preload`` then
+        reads the buffered ones)."""
         nxt = [0] * len(self.streams)
         self._ids(nxt, target)
         buffer = self.buffer
@@ -380,7 +408,7 @@ class Partition:
             self.wanted[a].add(u)
         self.frontier = nxt
         for a, stream in enumerate(self.streams):
-            stream.seek(min(self.wanted[a] | {nxt[a]}))
+            stream.plan(self.wanted[a], nxt[a])
 
     def _ids(self, nxt: list[int], target: int | None) -> None:
         """Run the mix and the buffer on unit ids (``nxt``: each source's next unit) until
