@@ -466,3 +466,10 @@ def test_negative_control_a_plain_dataloader_depends_on_num_workers(files: dict[
     ]
     assert ids[0] != ids[1]
     assert sorted(ids[0]) == sorted(ids[1])  # the same samples, in another order
+
+
+def test_parquet_row_groups_know_their_lengths_from_the_metadata(files: dict[str, list[Path]]) -> None:
+    """What a partitioned loader deals the shards by: each row group's row count, unread."""
+    ds = dataset("parquet-row-groups", files)
+    assert ds.lengths == [n for groups in GROUPS for n in groups]
+    assert dataset("parquet", files).lengths is None  # files are opened only when read

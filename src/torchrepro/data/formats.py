@@ -82,10 +82,11 @@ def _check_columns(path: str, columns: list[str] | None, schema: Any) -> None:
 
 def parquet_shards(
     paths: Iterable[str | os.PathLike[str]], columns: Iterable[str] | None, *, shard_by: str
-) -> tuple[list[Any], ParquetReader]:
-    """The shards and reader of ``ShardedDataset.from_parquet``: each file's path, or with
-    ``shard_by="row_group"`` a ``(path, row group)`` pair for every row group of every file
-    (read from the files' metadata now, which also checks ``columns`` against each file)."""
+) -> tuple[list[Any], ParquetReader, list[int] | None]:
+    """The shards, reader and shard lengths of ``ShardedDataset.from_parquet``: each file's path
+    (lengths not known: the files are opened only when read), or with ``shard_by="row_group"`` a
+    ``(path, row group)`` pair for every row group of every file, with its row count (read from
+    the files' metadata now, which also checks ``columns`` against each file)."""
     files = _paths(paths, "from_parquet", "data/*.parquet")
     if isinstance(columns, str) or not (columns is None or isinstance(columns, Iterable)):
         raise TypeError(
@@ -98,13 +99,15 @@ def parquet_shards(
         raise ValueError(f"shard_by must be one of {list(SHARD_BY)}, got {shard_by!r}.")
     pq = _parquet()
     if shard_by == "file":
-        return files, ParquetReader(names)
+        return files, ParquetReader(names), None
     shards: list[Any] = []
+    lengths: list[int] = []
     for path in files:
         with pq.ParquetFile(path) as file:
             _check_columns(path, names, file.schema_arrow)
             shards += [(path, group) for group in range(file.num_row_groups)]
-    return shards, ParquetReader(names)
+            lengths += [file.metadata.row_group(group).num_rows for group in range(file.num_row_groups)]
+    return shards, ParquetReader(names), lengths
 
 
 class ParquetReader:

@@ -4,7 +4,8 @@ mixed stream (``P = 1`` unless given).
 Invariants:
 - Epoch ``e`` deals each source's shards to the ``P`` partitions: source ``a``'s shards in the
   order ``derive_seed(seed, "shards", e, a)`` draws (list order with ``shuffle=False``), partition
-  ``p`` taking every ``P``-th from the ``p``-th. A partition's stream reads, per source, its
+  ``p`` taking every ``P``-th from the ``p``-th, or, when the source knows its shards' lengths,
+  each to the partition with the fewest samples so far. A partition's stream reads, per source, its
   shards one after another (filters applied as each sample is read, packed into blocks after);
   a mix draws the source of its position ``k`` from ``derive_seed(seed, "mix", e, p, k)``; the
   units go through the partition's shuffle buffer, keyed ``(seed, "shuffle", e, p, position)``.
@@ -27,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
 import math
 import pickle
 from collections import deque
@@ -131,9 +133,34 @@ def assignment(
             order = torch.randperm(n, generator=generator).tolist()
         else:
             order = list(range(n))
+        dealt = (
+            _balanced(order, source.lengths, partitions)
+            if source.lengths
+            else _round_robin(order, partitions)
+        )
         for p in range(partitions):
-            out[p].append([starts[a] + i for i in order[p::partitions]])
+            out[p].append([starts[a] + i for i in dealt[p]])
     return out
+
+
+def _round_robin(order: list[int], partitions: int) -> list[list[int]]:
+    return [order[p::partitions] for p in range(partitions)]
+
+
+def _balanced(order: list[int], lengths: list[int], partitions: int) -> list[list[int]]:
+    """The longest shard first, each to the partition holding the fewest samples so far (the
+    lowest on a tie), then each partition's shards in ``order``: the partitions end within about
+    one short shard's length of each other."""
+    rank = {i: k for k, i in enumerate(order)}
+    dealt: list[list[int]] = [[] for _ in range(partitions)]
+    heap = [(0, p) for p in range(partitions)]
+    for i in sorted(order, key=lambda i: (-lengths[i], rank[i])):
+        total, p = heapq.heappop(heap)
+        dealt[p].append(i)
+        heapq.heappush(heap, (total + lengths[i], p))
+    for shards in dealt:
+        shards.sort(key=rank.__getitem__)
+    return dealt
 
 
 class Reader:

@@ -68,7 +68,10 @@ class ShardedDataset(IterableDataset[Any]):
     """A dataset streamed from shards: ``read_shard(shard)`` yields the samples of one shard.
 
     ``shards`` is a list of anything ``read_shard`` takes (file paths, URLs, indices); their
-    lengths may be unequal and unknown, and a shard may be empty. When ``read_shard`` accepts a
+    lengths may be unequal and unknown, and a shard may be empty. ``lengths`` (samples per shard,
+    when known, e.g. from Parquet metadata) lets a partitioned loader deal the shards to its
+    partitions evenly, so an epoch, which ends where a partition runs out, leaves less behind.
+    When ``read_shard`` accepts a
     second argument, ``read_shard(shard, start)`` must yield the samples from offset ``start``
     (a resume then opens the shard there); otherwise a resume reads the shard from its start and
     skips (the skipped samples are read, at their cost, and dropped).
@@ -87,7 +90,12 @@ class ShardedDataset(IterableDataset[Any]):
 
     _tr_loader: type | None = None  # set by data.streaming: the SeededLoader class that streams it
 
-    def __init__(self, shards: Iterable[Any], read_shard: Callable[..., Iterable[Any]]) -> None:
+    def __init__(
+        self,
+        shards: Iterable[Any],
+        read_shard: Callable[..., Iterable[Any]],
+        lengths: Sequence[int] | None = None,
+    ) -> None:
         if isinstance(shards, (str, bytes)) or not isinstance(shards, Iterable):
             raise TypeError(
                 f"ShardedDataset needs a list of shards (e.g. sorted(glob('data/*.jsonl'))), got "
@@ -102,6 +110,16 @@ class ShardedDataset(IterableDataset[Any]):
             )
         self.read_shard = read_shard
         self.takes_start = _takes_start(read_shard)
+        if lengths is not None:
+            lengths = list(lengths)
+            if len(lengths) != len(self.shards) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths
+            ):
+                raise ValueError(
+                    f"lengths must give each of the {len(self.shards)} shards its number of samples (an int "
+                    f">= 0), got {lengths!r:.120}."
+                )
+        self.lengths = lengths
         self._filters: tuple[Callable[[Any], Any], ...] = ()
         self._pack: tuple[int, str] | None = None  # (seq_len, key)
 
@@ -137,7 +155,8 @@ class ShardedDataset(IterableDataset[Any]):
         ``columns`` is an error naming the columns it has."""
         from torchrepro.data import formats
 
-        return cls(*formats.parquet_shards(paths, columns, shard_by=shard_by))
+        shards, reader, lengths = formats.parquet_shards(paths, columns, shard_by=shard_by)
+        return cls(shards, reader, lengths)
 
     @classmethod
     def from_tar(
@@ -433,6 +452,7 @@ class MixedDataset(ShardedDataset):
         self.shards = [shard for source in sources for shard in source.shards]
         self.read_shard = self._read_global
         self.takes_start = False
+        self.lengths = None  # each source deals its own shards
         self._filters = ()
         self._pack = sources[0]._pack
 

@@ -318,6 +318,7 @@ class StreamingLoader(SeededLoader):
             weights=weights,
             exhausted=exhausted,
             filters=[len(source._filters) for source in sources],
+            balanced=[source.lengths is not None for source in sources],
             pack=list(self._stream.packing) if self._stream.packing is not None else None,
         )
         return state
@@ -348,7 +349,16 @@ class StreamingLoader(SeededLoader):
             "drop_last",
         )
         if self._partitions is not None:
-            compared += ("partitions", "split", "sources", "weights", "exhausted", "filters", "pack")
+            compared += (
+                "partitions",
+                "split",
+                "sources",
+                "weights",
+                "exhausted",
+                "filters",
+                "balanced",
+                "pack",
+            )
         mismatches = [
             f"{key}: state has {state_dict.get(key)!r}, this loader has {expected[key]!r}"
             for key in compared
