@@ -65,7 +65,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 *extra,
             ]
             for kinds, extra in (
-                (("repro", "repro-stream"), [f"repro-hf:0:{root / 'repro-hf0'}"]),
+                (
+                    ("repro", "repro-stream"),
+                    [f"repro-hf:0:{root / 'repro-hf0'}", f"repro-parts:0:{root / 'repro-parts0'}"],
+                ),
                 (("stock", "stock-stream"), []),
             )
         )
@@ -79,6 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             f"repro-stream:2:{root / 'repro-stream0' / 'checkpoint-4'}:{root / 'repro-stream-resume4'}",
             f"repro-stream:0:{root / 'repro-stream2' / 'checkpoint-6'}:{root / 'repro-stream-resume6'}",
             f"repro-hf:2:{root / 'repro-hf0' / 'checkpoint-4'}:{root / 'repro-hf-resume4'}",
+            f"repro-parts:2:{root / 'repro-parts0' / 'checkpoint-4'}:{root / 'repro-parts-resume4'}",
         ],
         [
             "resume",
@@ -138,6 +142,15 @@ def test_stream_resume_equals_the_uninterrupted_run(runs: Path, step: int) -> No
     position = _stream_position(runs / saved_by / f"checkpoint-{step}")
     assert (position["epoch"], position["batches_consumed"]) == ((1, 3) if step == 4 else (1, 9))
     assert _differing(_weights(runs, "repro-stream0"), _weights(runs, f"repro-stream-resume{step}")) == []
+
+
+def test_partitioned_stream_resumes_on_another_worker_count(runs: Path) -> None:
+    """TorchreproTrainer(partitions=2): global batches of one optimizer step (4 x 3 accumulated)
+    from 2 partitions; the checkpoint's position resumes with 2 workers to the same weights."""
+    position = _stream_position(runs / "repro-parts0" / "checkpoint-4")
+    assert (position["partitions"], position["global_batch_size"]) == (2, 12)
+    assert _differing(_weights(runs, "repro-parts0"), _weights(runs, "repro-parts-resume4")) == []
+    assert _differing(_weights(runs, "repro-parts0"), _weights(runs, "repro-stream0")) != []  # other batches
 
 
 def test_stream_the_same_weights_with_0_and_2_workers(runs: Path) -> None:
@@ -249,6 +262,21 @@ def test_settings_a_seeded_loader_cannot_honour_are_refused_with_the_fix(
     )
     trainer = TorchreproTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=[{"x": torch.zeros(2)}])
     with pytest.raises(LoaderConfigError, match=re.escape(fix)):
+        trainer.get_train_dataloader()
+
+
+def test_partitions_for_a_map_style_dataset_are_refused(tmp_path: Path, rng_changes_ok: None) -> None:
+    import transformers
+
+    from torchrepro.errors import LoaderConfigError
+    from torchrepro.integrations.transformers import TorchreproTrainer
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", disable_tqdm=True, use_cpu=True
+    )
+    data = [{"x": torch.zeros(2)}]
+    trainer = TorchreproTrainer(model=torch.nn.Linear(2, 1), args=args, train_dataset=data, partitions=2)
+    with pytest.raises(LoaderConfigError, match="is map-style: drop partitions"):
         trainer.get_train_dataloader()
 
 

@@ -203,7 +203,11 @@ class TorchreproTrainerMixin(_TrainerBase):
     a streamed ``SeededLoader`` with ``shuffle_buffer`` samples in its shuffle buffer (the
     keyword of this ``__init__``; default ``torchrepro.data.streaming.DEFAULT_SHUFFLE_BUFFER``):
     it needs ``TrainingArguments(max_steps=...)``, and its checkpoints hold the stream's position,
-    which a resume restores (no sample is read again to skip it).
+    which a resume restores (no sample is read again to skip it). With ``partitions=P`` (also a
+    keyword of this ``__init__``) each process reads only its partitions' shards
+    (``SeededLoader(..., partitions=P)``, a global batch being one optimizer step over all
+    processes, ``drop_last`` on); a filtered, packed or mixed stream is loaded whole by every
+    process without it.
 
     Settings the loader cannot honour are refused with the setting to change:
     ``train_sampling_strategy`` other than ``"random"``/``"sequential"``,
@@ -213,9 +217,12 @@ class TorchreproTrainerMixin(_TrainerBase):
     of the script, or start it with ``torchrepro run``.
     """
 
-    def __init__(self, *args: Any, shuffle_buffer: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, shuffle_buffer: int | None = None, partitions: int | None = None, **kwargs: Any
+    ) -> None:
         _check_stream_arguments(super().__init__, args, kwargs)
         self.shuffle_buffer = shuffle_buffer
+        self.partitions = partitions
         # (our copy of the arguments, the caller's ignore_data_skip): see get_train_dataloader
         self._tr_args_copy: tuple[Any, bool] = (None, False)
         super().__init__(*args, **kwargs)
@@ -242,6 +249,16 @@ class TorchreproTrainerMixin(_TrainerBase):
             _check_max_steps(args.max_steps)
             dataset, loader_class = stream, _TrainerStream
             streaming["shuffle_buffer"] = self.shuffle_buffer
+            if self.partitions is not None:  # a global batch is an optimizer step over all processes
+                accumulation = max(int(args.gradient_accumulation_steps), 1)
+                streaming["partitions"] = self.partitions
+                streaming["global_batch_size"] = self._train_batch_size * args.world_size * accumulation
+        elif self.partitions is not None:
+            raise LoaderConfigError(
+                f"TorchreproTrainer(partitions={self.partitions}) is for a streamed train dataset (a "
+                f"torchrepro.ShardedDataset or a datasets.IterableDataset); {type(dataset).__name__} is "
+                "map-style: drop partitions."
+            )
         elif self.shuffle_buffer is not None:
             raise LoaderConfigError(
                 f"TorchreproTrainer(shuffle_buffer={self.shuffle_buffer}) is for a streamed train dataset "
@@ -254,7 +271,7 @@ class TorchreproTrainerMixin(_TrainerBase):
             seed=args.data_seed if args.data_seed is not None else args.seed,
             shuffle=shuffle,
             num_workers=args.dataloader_num_workers,
-            drop_last=args.dataloader_drop_last,
+            drop_last=args.dataloader_drop_last or "partitions" in streaming,
             collate_fn=collator,
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,

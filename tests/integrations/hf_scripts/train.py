@@ -8,7 +8,8 @@ also under ``torchrun --nproc_per_node 2`` (each process its shard).
 KIND is ``repro`` (TorchreproTrainer) or ``stock`` (transformers.Trainer) over the map-style
 ``Noisy``; ``repro-stream``/``stock-stream`` over a ``torchrepro.ShardedDataset`` of 8 shards
 (36 samples, one shard empty; read noting the shards opened in ``DIR/reads.<pid>.txt``), and
-``repro-hf`` over a ``datasets.IterableDataset`` of 6 shards with a noise ``map``: batch 4,
+``repro-hf`` over a ``datasets.IterableDataset`` of 6 shards with a noise ``map``, ``repro-parts``
+over the shards in 2 partitions (``TorchreproTrainer(partitions=2)``): batch 4,
 accumulation 3, ``max_steps=8``, checkpoints every 2 steps, so an epoch of 9 batches is 3 steps
 and checkpoint-6 is at the end of epoch 1. Each run writes
 ``DIR/final.pt`` (the model's state dict) and, for ``repro``, ``DIR/batches.rank<R>.pt`` (the
@@ -42,7 +43,7 @@ def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
     model = Net()
     data: Any = Noisy()
     schedule: dict[str, Any] = {"gradient_accumulation_steps": 2, "num_train_epochs": 2, "save_steps": 4}
-    if kind.endswith(("-stream", "-hf")):
+    if kind.endswith(("-stream", "-hf", "-parts")):
         schedule = {"gradient_accumulation_steps": 3, "max_steps": 8, "save_steps": 2}
         noisy.READS = Path(out)
         Path(out).mkdir(parents=True, exist_ok=True)
@@ -63,7 +64,9 @@ def train(kind: str, workers: int, out: str, checkpoint: str | None) -> None:
         dataloader_num_workers=workers,
     )
     cls: Any = TorchreproTrainer if kind.startswith("repro") else transformers.Trainer
-    extra = {"shuffle_buffer": 8} if kind == "repro-stream" else {}
+    extra: dict[str, Any] = {"shuffle_buffer": 8} if kind == "repro-stream" else {}
+    if kind == "repro-parts":  # 2 partitions; a global batch: 4 x 1 process x 3 accumulated
+        extra = {"shuffle_buffer": 8, "partitions": 2}
     trainer = cls(model=model, args=args, train_dataset=data, **extra)
     trainer.train(resume_from_checkpoint=checkpoint)
     rank = trainer.args.process_index
