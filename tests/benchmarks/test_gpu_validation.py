@@ -1,5 +1,8 @@
 """The GPU validation's CPU side: argument handling, the no-GPU exit, the table from recorded
-results, and every section's harness run on the CPU, so the first GPU runs it unchanged."""
+results, and every section's harness run on the CPU, so the first GPU runs it unchanged.
+
+The no-GPU exit and the table from recorded results run ``main`` in this process (they start no
+section: a subprocess would only import torch again); bad arguments and the harness run the script."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from helpers import ROOT, user_env
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import gpu_validation
 from gpu_checks import bitwise, costs, cublas, models
 from gpu_checks import tests as cuda_tests
 from gpu_checks.common import ChildResult, Row
@@ -34,13 +38,21 @@ def _script(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[st
     )
 
 
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``gpu_validation.py ARGS`` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = gpu_validation.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_without_cuda_it_says_so_and_exits_0(tmp_path: Path) -> None:
-    proc = _script(cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "No CUDA device is visible" in proc.stdout and "--device cpu --quick" in proc.stdout
-    asked = _script("--device", "cuda", cwd=tmp_path)
-    assert asked.returncode == 2 and "no CUDA device is visible" in asked.stderr
+def test_without_cuda_it_says_so_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _main(capsys)
+    assert code == 0, err
+    assert "No CUDA device is visible" in out and "--device cpu --quick" in out
+    code, out, err = _main(capsys, "--device", "cuda")
+    assert code == 2 and "no CUDA device is visible" in err
 
 
 @pytest.mark.parametrize(
@@ -76,7 +88,9 @@ def _recorded(rows: list[Row]) -> dict[str, Any]:
     }
 
 
-def test_a_recorded_result_prints_again_with_its_verdict(tmp_path: Path) -> None:
+def test_a_recorded_result_prints_again_with_its_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = [
         Row("bitwise", "cnn, strict: two fresh processes end with equal bits", "pass", "equal bits"),
         Row("costs", "cnn: cost of each switch", "info", "strict vs fast 1.31x"),
@@ -84,17 +98,17 @@ def test_a_recorded_result_prints_again_with_its_verdict(tmp_path: Path) -> None
     saved = tmp_path / "good.json"
     saved.write_text(json.dumps(_recorded(good)))
     md = tmp_path / "table.md"
-    proc = _script("--from-json", str(saved), "--markdown", str(md), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "NVIDIA H100 80GB HBM3" in proc.stdout and "PASS  bitwise" in proc.stdout
+    code, out, err = _main(capsys, "--from-json", str(saved), "--markdown", str(md))
+    assert code == 0, err
+    assert "NVIDIA H100 80GB HBM3" in out and "PASS  bitwise" in out
     assert "| PASS | bitwise | cnn, strict" in md.read_text()
     bad = [*good, Row("cublas", "too late", "fail", "raised nothing")]
     saved.write_text(json.dumps(_recorded(bad)))
-    proc = _script("--from-json", str(saved), cwd=tmp_path)
-    assert proc.returncode == 1 and "FAIL  cublas" in proc.stdout
+    code, out, err = _main(capsys, "--from-json", str(saved))
+    assert code == 1 and "FAIL  cublas" in out
     saved.write_text(json.dumps({"rows": [{"nope": 1}]}))
-    proc = _script("--from-json", str(saved), cwd=tmp_path)
-    assert proc.returncode == 2 and "is not a result this script wrote" in proc.stderr
+    code, out, err = _main(capsys, "--from-json", str(saved))
+    assert code == 2 and "is not a result this script wrote" in err
 
 
 @pytest.mark.slow

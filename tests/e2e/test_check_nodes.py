@@ -4,7 +4,7 @@ with nothing shared but the endpoint, stand for two nodes.
 Shared launches: a check of a DDP script that is reproducible (``--steady``) and one of the same
 script whose rank 1, on the other node, is not (the negative control: the same harness must catch
 it and name its rank, op and line). A node killed mid-check (either node) and a node alone are
-launches of their own.
+launches of their own, all four at once: most of their time is waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
 WOBBLE = HERE / "node_scripts" / "rank1_wobble.py"
+PROC = os.path.isdir("/proc")  # processes_with lists the processes left running through it
 
 
 def _check(port: int, node_rank: int | None, *args: str, timeout: int = 120) -> list[str]:
@@ -135,13 +138,11 @@ def test_a_rank_1_nondeterminism_on_the_other_node_is_caught_and_located(
     assert list(_records(leader).glob("locate*/trace-b.rank1"))
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc")
-@pytest.mark.parametrize("killed", [1, 0])
-def test_a_node_killed_mid_check_is_named_and_nothing_is_left_running(tmp_path: Path, killed: int) -> None:
+def kill_mid_check(root: Path, killed: int) -> tuple[int, dict[str, Any], str, list[int]]:
+    """A check on two nodes whose node ``killed`` dies by SIGKILL once both ranks have joined: the
+    survivor's exit code, verdict and stderr, and what still runs with the check's token."""
     token = f"torchrepro-check-kill-{os.getpid()}-{killed}"
-    dirs, procs = start_checks(
-        tmp_path, "kill", str(WOBBLE), "--steady", "--sleep", "0.2", token, ranks=(0, 1)
-    )
+    dirs, procs = start_checks(root, "kill", str(WOBBLE), "--steady", "--sleep", "0.2", token, ranks=(0, 1))
     deadline = time.monotonic() + 120
     while not all(list(d.glob(".torchrepro/checks/*/run*/world.rank*.json")) for d in dirs):
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
@@ -152,30 +153,59 @@ def test_a_node_killed_mid_check_is_named_and_nothing_is_left_running(tmp_path: 
     survivor = procs[1 - killed]
     stdout, stderr = survivor.communicate(timeout=120)
     procs[killed].communicate(timeout=30)
-    verdict = json.loads(stdout.strip().splitlines()[-1])
-    assert survivor.returncode == 2, stderr[-3000:]
-    if killed == 1:  # the leader names the node it lost, after NODE_TIMEOUT
-        assert "node 1 (host " in verdict["error"] and "stopped answering for 10 s" in verdict["error"]
-        assert "torchrepro check: the script failed" not in stderr
-    else:
-        assert verdict["error"].startswith("this node lost the check on node 0"), verdict
     deadline = time.monotonic() + 30
     while processes_with(token) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_with(token) == []
+    return survivor.returncode, json.loads(stdout.strip().splitlines()[-1]), stderr, processes_with(token)
 
 
-@pytest.mark.parametrize("node_rank", [0, 1])
-def test_a_node_alone_ends_with_one_line_naming_the_endpoint(tmp_path: Path, node_rank: int) -> None:
+def alone(root: Path, node_rank: int) -> tuple[Path, int, subprocess.CompletedProcess[str]]:
+    """A check whose other node never comes (``--join-timeout 2``), in the empty directory ``root``:
+    ``root``, the endpoint's port and the finished process."""
     port = free_port()
     proc = subprocess.run(
         _check(port, node_rank, str(WOBBLE), timeout=2),
-        cwd=tmp_path,
+        cwd=root,
         env=user_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=120,
     )
+    return root, port, proc
+
+
+@pytest.fixture(scope="module")
+def cut_short(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[tuple[str, int], Future[Any]]]:
+    """The checks that end early, all started at once (most of their time is waiting: for a lost
+    node's ``NODE_TIMEOUT``, for a join timeout); each test reads its own, which raises there."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        started = {("alone", r): pool.submit(alone, tmp_path_factory.mktemp(f"alone{r}"), r) for r in (0, 1)}
+        if PROC:
+            for k in (1, 0):
+                started["killed", k] = pool.submit(kill_mid_check, tmp_path_factory.mktemp(f"kill{k}"), k)
+        yield started
+
+
+@pytest.mark.skipif(not PROC, reason="lists processes through /proc")
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_node_killed_mid_check_is_named_and_nothing_is_left_running(
+    cut_short: dict[tuple[str, int], Future[Any]], killed: int
+) -> None:
+    code, verdict, stderr, left = cut_short["killed", killed].result()
+    assert code == 2, stderr[-3000:]
+    if killed == 1:  # the leader names the node it lost, after NODE_TIMEOUT
+        assert "node 1 (host " in verdict["error"] and "stopped answering for 10 s" in verdict["error"]
+        assert "torchrepro check: the script failed" not in stderr
+    else:
+        assert verdict["error"].startswith("this node lost the check on node 0"), verdict
+    assert left == []
+
+
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_a_node_alone_ends_with_one_line_naming_the_endpoint(
+    cut_short: dict[tuple[str, int], Future[Any]], node_rank: int
+) -> None:
+    root, port, proc = cut_short["alone", node_rank].result()
     assert proc.returncode == 2, proc.stderr[-3000:]
     said = {
         0: f"1 of 2 nodes joined the check at 127.0.0.1:{port} within 2 s (--join-timeout)",
@@ -183,4 +213,4 @@ def test_a_node_alone_ends_with_one_line_naming_the_endpoint(tmp_path: Path, nod
     }[node_rank]
     assert said in proc.stderr
     assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr, proc.stderr
-    assert list(tmp_path.iterdir()) == []  # nothing created
+    assert list(root.iterdir()) == []  # nothing created

@@ -6,7 +6,8 @@ with ``torchrepro.InvariantDataParallel`` (the same bits on 1 and 2 processes), 
 ``DistributedSampler`` and gradient accumulation (the negative control: its gradients depend on how
 the global batch is split), or not at all; and under FSDP2, invariant (its sharded tensors are
 recorded whole, so 1 and 2 processes compare) and stock (the negative control). Each check runs
-once (a module fixture, two at a time); their run records are reused for ``torchrepro compare``.
+once (a module fixture, two at a time); their run records are reused for ``torchrepro compare``
+(in this process: it reads the records).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from helpers import torchrepro, user_env
+from helpers import torchrepro_here, user_env
 from torchrepro.runrecord import SETTINGS_FILE
 
 pytestmark = pytest.mark.slow
@@ -133,25 +134,27 @@ def test_nproc_2_check_of_invariant_data_parallel_compares_every_event_of_both_r
     assert "world" not in c.verdict
 
 
-def test_compare_of_the_records_across_world_sizes_and_at_one(checked: dict[str, Checked]) -> None:
+def test_compare_of_the_records_across_world_sizes_and_at_one(
+    checked: dict[str, Checked], capsys: pytest.CaptureFixture[str]
+) -> None:
     one, two = checked["invariant"].runs
-    proc = torchrepro(one.parent, "compare", "--json", str(one), str(two))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(proc.stdout)
+    code, out, err = torchrepro_here(capsys, "compare", "--json", str(one), str(two))
+    assert code == 0, out + err
+    result = json.loads(out)
     assert result["reproducible"] is True and result["world"] == WORLD
     assert result["coverage"]["per_rank"] == {"0": COMPARED, "1": COMPARED}
     assert "started with different nproc: 1 vs 2" in result["notes"]
     # the DDP control's records part at step 0 in compare too, saying why
     one, two = checked["ddp"].runs
-    proc = torchrepro(one.parent, "compare", str(one), str(two))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "NOT identical: first divergence: compute at step 0" in proc.stdout
-    assert "depend on how the global batch is split" in proc.stdout
+    code, out, err = torchrepro_here(capsys, "compare", str(one), str(two))
+    assert code == 1, out + err
+    assert "NOT identical: first divergence: compute at step 0" in out
+    assert "depend on how the global batch is split" in out
     # two records on 2 processes each: rank by rank, every event
     a, b = checked["nproc2"].runs
-    proc = torchrepro(a.parent, "compare", "--json", str(a), str(b))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert json.loads(proc.stdout)["coverage"]["per_kind"]["data"] == 12
+    code, out, err = torchrepro_here(capsys, "compare", "--json", str(a), str(b))
+    assert code == 0, out + err
+    assert json.loads(out)["coverage"]["per_kind"]["data"] == 12
 
 
 def test_fsdp2_under_invariant_data_parallel_is_the_same_on_1_and_2_processes(

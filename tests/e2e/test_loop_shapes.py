@@ -1,9 +1,9 @@
 """Exact resume for every common training-loop shape, at every checkpoint (issue 12, section 1).
 
-``loop_scripts/loop_shapes.py`` trains 3 epochs in each loop shape (auto-advancing epochs;
-``set_epoch`` with the epoch stored in the checkpoint; code after the inner loop; for/else with a
-break; per-step and per-epoch schedulers; gradient accumulation over 2 batches), saves a checkpoint
-at every step (after every backward with accumulation, and after the epoch-end code), and resumes
+``loop_scripts/loop_shapes.py`` trains 3 epochs of 3 batches in each loop shape (auto-advancing
+epochs; ``set_epoch`` with the epoch stored in the checkpoint; code after the inner loop; for/else
+with a break; per-step and per-epoch schedulers; gradient accumulation over 2 batches), saves a
+checkpoint at every step (after every backward with accumulation, and after the epoch-end code), and resumes
 each checkpoint in a new process (forked from a driver that imported torch once, with every RNG
 and object scrambled before the load). Every resumed run must end with the uninterrupted run's
 bits, with ``num_workers`` 0 and 2. Negative controls show the harness sees the wrong ways to
@@ -29,25 +29,27 @@ from typing import Any
 
 import pytest
 
-# The shared fixture runs ~270 resumes (about a minute of CPU): more than the default 300 s on a
+# The shared fixture runs ~190 resumes (most of a minute of CPU): more than the default 300 s on a
 # machine loaded by other work must not kill it half-way.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCRIPTS = Path(__file__).resolve().parent / "loop_scripts"
 SHAPES = ("auto", "set_epoch", "after_loop", "for_else", "sched_step", "sched_epoch", "accum2")
 WORKERS = (0, 2)
-# Checkpoints per shape: 15 steps of 5 batches, plus 3 after the epoch-end code; for/else breaks
-# out before its 14th step (so its third epoch has no epoch end); accum2 saves after every backward.
+# Checkpoints per shape: 9 steps of 3 batches, plus 3 after the epoch-end code; for/else breaks
+# out before its 9th step (so its third epoch has no epoch end); accum2 saves after every backward.
+# Three batches an epoch are enough for every position: the first, one in the middle, the last
+# (partial) one; an odd count, so accum2's windows cross epochs.
 EXPECTED_CHECKPOINTS = {
-    "auto": 15,
-    "set_epoch": 15,
-    "after_loop": 18,
-    "for_else": 15,
-    "sched_step": 15,
-    "sched_epoch": 18,
-    "accum2": 15,
+    "auto": 9,
+    "set_epoch": 9,
+    "after_loop": 12,
+    "for_else": 10,
+    "sched_step": 9,
+    "sched_epoch": 12,
+    "accum2": 9,
 }
-BATCHES_PER_EPOCH = 5
+BATCHES_PER_EPOCH = 3
 NEGATIVE = {
     "plain_dataloader": {"shape": "auto", "workers": 0, "loader": "plain"},
     "no_rng": {"shape": "auto", "workers": 0, "mode": "no_rng"},
@@ -130,7 +132,7 @@ def run_jobs(
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Key, dict[str, Any]]]:
     exact = [{"shape": shape, "workers": workers} for workers in (2, 0) for shape in SHAPES]
-    # Checkpoints in memory (tmpfs) where there is one: ~270 saves, each fsynced.
+    # Checkpoints in memory (tmpfs) where there is one: ~190 saves, each fsynced.
     shm = Path("/dev/shm")
     on_shm = shm.is_dir() and os.access(shm, os.W_OK)
     logs = tmp_path_factory.mktemp("loops")

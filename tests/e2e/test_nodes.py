@@ -3,8 +3,9 @@ working directory with nothing shared but the rendezvous, stand for two nodes.
 
 Shared launches: two InvariantDataParallel runs on 2 nodes x 2 processes (with stock DDP as the
 negative control in the same processes) and one on a single process; two runs of a DDP script
-whose rank 1 is nondeterministic (traced at step 0). A node killed mid-run, and a node that never
-joins, are launches of their own.
+whose rank 1 is nondeterministic (traced at step 0); two at a time. A node killed mid-run, and a
+node that never joins (on each rendezvous backend: both at once, they mostly wait), are launches
+of their own.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from helpers import free_port, marked_line, processes_with, torchrepro, user_env
+from helpers import free_port, marked_line, processes_with, torchrepro, torchrepro_here, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -70,26 +73,33 @@ def run_nodes(root: Path, name: str, nproc: int, *args: str) -> dict[str, Any]:
     return {"dirs": dirs, "home": home, "stderr": [err for _, err in outputs]}
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    root = tmp_path_factory.mktemp("nodes")
-    out: dict[str, Any] = {}
-    for name in ("idp_a", "idp_b"):
-        out[name] = run_nodes(root, name, 2, "--mode", "off", str(TRAIN), "out.json", "--also", "ddp")
-    single = root / "single"
-    single.mkdir()
+def run_single(directory: Path) -> dict[str, Any]:
+    """The InvariantDataParallel run (and its DDP control) on one plain process: its ``out.json``."""
+    directory.mkdir()
     proc = subprocess.run(
         [sys.executable, str(TRAIN), "out.json", "--also", "ddp"],
-        cwd=single,
+        cwd=directory,
         env=user_env(OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    out["single"] = json.loads((single / "out.json").read_text())
-    for name in ("wobble_a", "wobble_b"):
-        out[name] = run_nodes(root, name, 1, "--trace-step", "0", str(WOBBLE))
+    return dict(json.loads((directory / "out.json").read_text()))
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("nodes")
+    idp = ("--mode", "off", str(TRAIN), "out.json", "--also", "ddp")
+    wobble = ("--trace-step", "0", str(WOBBLE))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the machine is small: two launches at a time
+        started = {
+            **{name: pool.submit(run_nodes, root, name, 2, *idp) for name in ("idp_a", "idp_b")},
+            "single": pool.submit(run_single, root / "single"),
+            **{name: pool.submit(run_nodes, root, name, 1, *wobble) for name in ("wobble_a", "wobble_b")},
+        }
+        out: dict[str, Any] = {name: future.result() for name, future in started.items()}
     out["root"] = root
     return out
 
@@ -115,11 +125,13 @@ def test_every_nodes_records_end_on_the_node_holding_rank_0(launches: dict[str, 
     assert "global rank 0 ran on another node" in said[other.parent]
 
 
-def test_two_multi_node_runs_compare_identical(launches: dict[str, Any]) -> None:
+def test_two_multi_node_runs_compare_identical(
+    launches: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b = (launches[n]["home"] / "rec" for n in ("idp_a", "idp_b"))
-    proc = torchrepro(a.parent, "compare", "--json", str(a), str(b))
-    verdict = json.loads(proc.stdout)
-    assert proc.returncode == 0 and verdict["reproducible"] is True, proc.stdout + proc.stderr
+    code, out, err = torchrepro_here(capsys, "compare", "--json", str(a), str(b))
+    verdict = json.loads(out)
+    assert code == 0 and verdict["reproducible"] is True, out + err
     assert sorted(verdict["coverage"]["per_rank"]) == ["0", "1", "2", "3"]
     assert all(counts["compute"] > 0 for counts in verdict["coverage"]["per_rank"].values())
 
@@ -134,11 +146,13 @@ def test_invariant_data_parallel_on_2_nodes_x_2_processes_equals_1_process(launc
     assert set(runs[0]["also"]["ddp"]) != set(single["also"]["ddp"])
 
 
-def test_a_rank_1_nondeterminism_is_named_at_rank_1_its_node_and_line(launches: dict[str, Any]) -> None:
+def test_a_rank_1_nondeterminism_is_named_at_rank_1_its_node_and_line(
+    launches: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
     a, b = (launches[n]["home"] / "rec" for n in ("wobble_a", "wobble_b"))
-    proc = torchrepro(a.parent, "compare", "--json", str(a), str(b))
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    verdict = json.loads(proc.stdout)
+    code, out, err = torchrepro_here(capsys, "compare", "--json", str(a), str(b))
+    assert code == 1, out + err
+    verdict = json.loads(out)
     first = verdict["first_divergence"]
     assert (first["rank"], first["op"]) == (1, "aten.mul.Tensor"), first
     assert first["location"].endswith(f"rank1_wobble.py:{marked_line(WOBBLE, 'nodes: rank 1 mul')}")
@@ -192,13 +206,29 @@ def test_a_node_killed_mid_run_ends_the_run_everywhere_and_leaves_nothing_runnin
     assert processes_with(token) == []
 
 
-@pytest.mark.parametrize("backend", ["c10d", "static"])
-def test_a_node_that_never_joins_ends_the_run_with_one_line(tmp_path: Path, backend: str) -> None:
+def never_joined(root: Path, backend: str) -> tuple[int, subprocess.CompletedProcess[str]]:
+    """A run whose second node never comes (``--join-timeout 2``): the endpoint's port, the process."""
     port = free_port()
     args = ["--rdzv-backend", backend, "--node-rank", "0", "--join-timeout", "2"]
     proc = torchrepro(
-        tmp_path, "run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *args, str(WOBBLE)
+        root, "run", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *args, str(WOBBLE)
     )
+    return port, proc
+
+
+@pytest.fixture(scope="module")
+def never_joins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Any]]]:
+    """A run whose second node never joins, on each rendezvous backend, both at once (most of their
+    time is waiting for the join timeout); each test reads its own, which raises there."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {b: pool.submit(never_joined, tmp_path_factory.mktemp(b), b) for b in ("c10d", "static")}
+
+
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+def test_a_node_that_never_joins_ends_the_run_with_one_line(
+    never_joins: dict[str, Future[Any]], backend: str
+) -> None:
+    port, proc = never_joins[backend].result()
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (
         f"not every node joined the rendezvous at 127.0.0.1:{port} (id torchrepro) within 2 s" in proc.stderr

@@ -17,7 +17,10 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pytest
 
 __all__ = [
     "ROOT",
@@ -30,6 +33,7 @@ __all__ = [
     "needs_isolation",
     "relative",
     "torchrepro",
+    "torchrepro_here",
     "user_env",
 ]
 
@@ -61,6 +65,18 @@ def torchrepro(
         text=True,
         timeout=timeout,
     )
+
+
+def torchrepro_here(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``torchrepro *args`` in this process (``cli.main``): (exit code, stdout, stderr). For commands
+    that only read files, such as ``compare``: a subprocess would spend seconds importing torch to run
+    the same code."""
+    from torchrepro.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def check_json(cwd: Path, *args: str, timeout: float = 300) -> tuple[int, dict[str, Any], str]:

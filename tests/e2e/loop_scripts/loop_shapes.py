@@ -18,7 +18,7 @@ compares every resumed final state (parameters, gradients, optimizer, scheduler,
 the epoch-end history and the counters) with the uninterrupted one, ``torch.equal`` on every
 tensor, and answers one JSON line per job: the checkpoints and, for each, the first differences.
 
-Loop shapes (3 epochs of 5 batches, the last batch of each epoch partial; with ``num_workers=2``
+Loop shapes (3 epochs of 3 batches, the last batch of each epoch partial; with ``num_workers=2``
 the auto-advancing shapes keep their workers, ``persistent_workers=True``):
 
 - ``auto``: ``for epoch in range(start, E): for batch in loader`` (the loader advances its epochs).
@@ -68,8 +68,8 @@ import forking
 
 SEED = 1234
 EPOCHS = 3
-N_TRAIN, N_VAL, BATCH = 18, 8, 4  # 5 training batches per epoch (the last of 2), 2 validation
-FOR_ELSE_MAX_STEPS = 13  # the for/else shape breaks out in the middle of its third epoch
+N_TRAIN, N_VAL, BATCH = 10, 8, 4  # 3 training batches per epoch (the last of 2), 2 validation
+FOR_ELSE_MAX_STEPS = 8  # the for/else shape breaks out in the middle of its third epoch
 CHILD_TIMEOUT_S = 120
 
 

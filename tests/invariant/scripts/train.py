@@ -5,9 +5,10 @@ with DistributedSampler and gradient accumulation.
 python train.py OUT.json --mode invariant|nokey|plainsum|ddp --opt sgd|adam [--workers N]
     [--save DIR] (a checkpoint after every optimizer step) [--resume DIR] (after the run, for every
     checkpoint in DIR: a fresh model resumed from it, trained to the end: the final state of each)
-    [--also ddp,nokey,plainsum,adam] (then, in the same processes, each of these runs from the global
-    RNG state a fresh process has: a mode with SGD, or ``adam``, the invariant run with Adam; a
-    launch is seconds of process start-up, these runs milliseconds)
+    [--also ddp,nokey,plainsum,adam,workers] (then, in the same processes, each of these runs from
+    the global RNG state a fresh process has: a mode with SGD; ``adam``, the invariant run with
+    Adam; ``workers``, the invariant run with SGD loading through 2 worker processes; a launch is
+    seconds of process start-up, these runs milliseconds)
 Works under torchrun (gloo, 1 thread per rank) and as a plain process (no process group).
 Rank 0 writes OUT: the final state's fingerprint on every rank, and per resumed checkpoint.
 """
@@ -138,7 +139,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--save")
     parser.add_argument("--resume")
-    parser.add_argument("--also", default="", help="comma-separated: ddp, nokey, plainsum, adam")
+    parser.add_argument("--also", default="", help="comma-separated: ddp, nokey, plainsum, adam, workers")
     args = parser.parse_args()
     fresh = torch.get_rng_state()  # what each --also run starts from
     if "RANK" in os.environ:
@@ -154,9 +155,13 @@ def main() -> None:
     also: dict[str, list[str]] = {}
     for extra in filter(None, args.also.split(",")):
         torch.set_rng_state(fresh)
-        mode, opt = ("invariant", "adam") if extra == "adam" else (extra, "sgd")
-        run = argparse.Namespace(**{**vars(args), "mode": mode, "opt": opt, "save": None})
-        also[extra] = gathered(ddp_run(run) if mode == "ddp" else invariant_run(run))
+        options = {**vars(args), "mode": extra, "opt": "sgd", "save": None}
+        if extra == "adam":
+            options.update(mode="invariant", opt="adam")
+        elif extra == "workers":
+            options.update(mode="invariant", workers=2)
+        run = argparse.Namespace(**options)
+        also[extra] = gathered(ddp_run(run) if run.mode == "ddp" else invariant_run(run))
     result["also"] = also
     if not dist.is_initialized() or dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
