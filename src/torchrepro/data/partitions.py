@@ -20,8 +20,9 @@ Invariants:
   step. Without a process group (``rank=``/``world_size=`` given) a rank reads every partition.
 - The position is a number of steps; the state also holds each shard read this epoch's summary
   ``[kept samples, tokens]``. A resume replays every partition's mix and buffer on unit ids from
-  the summaries (``Partition.replay``), then reads only from the first shard still holding a
-  buffered unit: on any ``num_workers``, and any world size whose step divides the position.
+  the summaries (``Partition.replay``), then reads only the shards that hold a unit still
+  buffered and those from each stream's next unit on (``Stream.plan``): on any ``num_workers``,
+  and any world size whose step divides the position.
 - The inner ``DataLoader`` reads whole shards in an order the pipeline's demand picks
   (``Reader``, its sampler); the order changes only when shards are read, never what they hold.
 """
