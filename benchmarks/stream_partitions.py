@@ -7,6 +7,9 @@ One real torchrun launch per world size W (``--standalone``, gloo), both paths s
 same processes, over the same ``--shards`` generated shards (40-80 samples each, unequal):
 - partitioned: ``SeededLoader(ds, batch_size=8, global_batch_size=32, drop_last=True,
   shuffle_buffer=256, partitions=4, num_workers=--workers, seed=0)``;
+- by-length: the same, the dataset given its shards' lengths (``ShardedDataset(..., lengths=)``),
+  so the shards are dealt to the partitions evenly (an epoch ends where a partition runs out:
+  the samples received show what that leaves behind);
 - unpartitioned (the path without ``partitions=``): the same loader without ``partitions``, where
   every rank reads every shard and keeps its micro-batches of each global batch.
 Every process, the loader's workers included, counts the samples its ``read_shard`` generators
@@ -29,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, GLOBAL, PARTITIONS, BUFFER = 8, 32, 4, 256
-PATHS = ("partitioned", "unpartitioned")
+PATHS = ("partitioned", "by-length", "unpartitioned")
 
 
 def length(shard: int) -> int:
@@ -72,8 +75,9 @@ def child(shards: int, workers: int, epochs: int, reads: str) -> None:
         if rank == 0:
             directory.mkdir()
         dist.barrier()
-        ds = torchrepro.ShardedDataset(range(shards), CountingReader(str(directory)))
-        extra = {"partitions": PARTITIONS} if path == "partitioned" else {}
+        lengths = [length(i) for i in range(shards)] if path == "by-length" else None
+        ds = torchrepro.ShardedDataset(range(shards), CountingReader(str(directory)), lengths=lengths)
+        extra = {"partitions": PARTITIONS} if path != "unpartitioned" else {}
         loader = torchrepro.SeededLoader(
             ds,
             batch_size=BATCH,
@@ -133,7 +137,7 @@ def main() -> None:
             received = [json.loads((Path(reads) / f"received-{r}.json").read_text()) for r in range(w)]
             for path in PATHS:
                 fractions = [read_counts(Path(reads) / path, r) / total for r in range(w)]
-                target = f"~{1 / w:.3f}" if path == "partitioned" else "1.0"
+                target = f"~{1 / w:.3f}" if path != "unpartitioned" else "1.0"
                 got = sum(r[path] for r in received)
                 print(
                     f"{w:>2} {path:<14} {sum(fractions) / w:9.3f} {max(fractions):9.3f} "
