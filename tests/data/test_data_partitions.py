@@ -105,6 +105,36 @@ def test_every_worker_count_and_world_size_gives_the_one_process_batches(
                 assert global_batches(name, world, num_workers, epochs=1) == first, (world, num_workers)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "packed"])
+def test_a_read_shard_that_opens_at_an_offset_resumes_at_every_boundary(packed: bool) -> None:
+    """With ``read_shard(shard, start)`` an unfiltered shard is opened at the sample a resume
+    needs (a packed one from its start: a block begins at a token, not at a document); a resume at
+    every global-batch boundary onto 4 ranks continues the one-process run."""
+    ds = torchrepro.ShardedDataset(range(len(script.LENGTHS)), script.read_doc_from)
+    ds = ds.pack(6) if packed else ds
+    whole = script.loader(ds, shuffle_buffer=3)
+    ref = [mb for _ in range(2) for mb in whole]  # two epochs
+    saver = script.loader(ds, shuffle_buffer=3)
+    it = iter(saver)
+    done = 0
+    for k in range(len(ref) // V):
+        state = json.loads(json.dumps(saver.state_dict()))
+        resumed = [script.loader(ds, shuffle_buffer=3, rank=r, world_size=4) for r in range(4)]
+        for each in resumed:
+            each.load_state_dict(state)
+        rest = [[b for _ in range(2 if state["epoch"] == 0 else 1) for b in each] for each in resumed]
+        assert [mb for s in range(len(rest[0])) for r in rest for mb in r[s : s + 1]][
+            : len(ref) - done
+        ] == ref[done:], k
+        for _ in range(V):
+            try:
+                next(it)
+            except StopIteration:
+                it = iter(saver)
+                next(it)
+            done += 1
+
+
 def test_persistent_workers_keep_the_batches_across_epochs(reference: dict[str, list[Any]]) -> None:
     """Persistent workers outlive a pass that ended with shards still in flight (the epoch ends at
     the first partition that runs out): the next epochs are unchanged."""

@@ -273,7 +273,7 @@ class Stream:
         self.pack = pack
         self.counts = counts
         self.reader = reader
-        self.seekable = seekable  # an unfiltered shard whose read_shard takes start
+        self.seekable = seekable  # unfiltered, unpacked, and read_shard takes start: opened at a sample
         self.queue: deque[tuple[int, Any]] = deque()
         self.order: list[int] = []  # the positions (in ``shards``) to read, in order
         self.cursor = 0
@@ -525,7 +525,12 @@ def build(
         streams = []
         for a, source in enumerate(sources):
             stream = Stream(
-                a, dealt[p][a], source._pack, counts, reader, source.takes_start and not source._filters
+                a,
+                dealt[p][a],
+                source._pack,
+                counts,
+                reader,
+                source.takes_start and not source._filters and source._pack is None,
             )
             reader.register(stream, weights[a] / len(mine))
             streams.append(stream)

@@ -33,10 +33,19 @@ READS = os.environ.get("TR_TEST_READS")  # a directory: each process notes the s
 
 def read_doc(shard: int):
     """Documents of varying length (some empty) with per-sample draws."""
+    return _docs(shard, 0)
+
+
+def read_doc_from(shard: int, start: int = 0):
+    """``read_doc`` opened at a document: a resume asks for the shard from ``start``."""
+    return _docs(shard, start)
+
+
+def _docs(shard: int, start: int):
     if READS:
         with open(Path(READS) / f"rank{os.environ.get('RANK', '0')}-{os.getpid()}", "a") as f:
-            f.write(f"{shard} {LENGTHS[shard]}\n")
-    for offset in range(LENGTHS[shard]):
+            f.write(f"{shard} {LENGTHS[shard] - start}\n")
+    for offset in range(start, LENGTHS[shard]):
         n = int(torch.randint(0, 9, ()).item())
         yield {
             "id": shard * 1000 + offset,
