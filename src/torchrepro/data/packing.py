@@ -68,25 +68,25 @@ class Packer:
         """The whole blocks the documents added so far complete."""
         seq_len = self.seq_len
         while self.available >= seq_len:
-            parts, lengths, shifts = [], [], []
+            parts, positions, documents = [], [], []
             need = seq_len
             while need:
                 piece = self.pending[0]
                 tokens, start = piece
                 take = min(need, len(tokens) - start)
                 parts.append(tokens[start : start + take])
-                lengths.append(take)
-                shifts.append(start - (seq_len - need))  # position in the document - in the block
+                positions.extend(range(start, start + take))
+                documents.extend([len(parts) - 1] * take)
                 need -= take
                 if start + take == len(tokens):
                     self.pending.popleft()
                 else:
                     piece[1] = start + take
             self.available -= seq_len
-            counts = torch.tensor(lengths)
+            # The ids as Python lists, one tensor each: a torch op per piece (or repeat_interleave,
+            # about 50 us a call here) cost more than the block's tokens.
             yield {
                 self.key: parts[0] if len(parts) == 1 else torch.cat(parts),
-                POSITIONS: torch.arange(seq_len)
-                + torch.repeat_interleave(torch.tensor(shifts), counts, output_size=seq_len),
-                DOCUMENTS: torch.repeat_interleave(torch.arange(len(parts)), counts, output_size=seq_len),
+                POSITIONS: torch.tensor(positions, dtype=torch.int64),
+                DOCUMENTS: torch.tensor(documents, dtype=torch.int64),
             }
