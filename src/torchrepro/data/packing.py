@@ -68,7 +68,9 @@ class Packer:
         """The whole blocks the documents added so far complete."""
         seq_len = self.seq_len
         while self.available >= seq_len:
-            parts, positions, documents = [], [], []
+            parts: list[torch.Tensor] = []
+            positions: list[int] = []
+            documents: list[int] = []
             need = seq_len
             while need:
                 piece = self.pending[0]
