@@ -448,8 +448,8 @@ def test_a_position_after_the_epochs_last_global_batch_has_an_empty_rest(name: s
 
 def test_known_shard_lengths_deal_the_partitions_evenly() -> None:
     """An epoch ends where its first partition runs out. Dealt round robin, 32 shards of 1-120
-    samples leave a tenth behind; dealt by their lengths (longest first, to the emptiest
-    partition), under 2%: the same global batches on 1 and 2 ranks, resumable onto 4."""
+    samples leave 12% behind; dealt by their lengths (longest first, to the emptiest partition),
+    0.4%: the same global batches on 1 and 2 ranks, resumable onto 4."""
     lengths = [(s * 53) % 120 + 1 for s in range(32)]
 
     def read(shard: int):
