@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from torchrepro.data.micro import divisors
 from torchrepro.data.packing import Packer
 from torchrepro.data.sharded import UNITS_MARK, MixedDataset, ShardedDataset, Task, choose
 from torchrepro.data.shuffle import ShuffleBuffer
@@ -100,10 +101,6 @@ def check_partitions(dataset: ShardedDataset, partitions: int) -> None:
                 "needs at least one shard of every source. Use partitions <= "
                 f"{min(len(s.shards) for s in sources_of(dataset)[0])}, or split the data into more shards."
             )
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def groups_for(partitions: int, micro_batches: int, world_size: int) -> int:
@@ -370,6 +367,17 @@ class Stream:
         return self.queue.popleft()
 
 
+def _known(alive: bool | None) -> bool:
+    """Whether a source has a unit left, where the summaries held say (else the state is not one
+    this loader saved)."""
+    if alive is None:
+        raise DataLoaderStateError(
+            "The loader's state does not hold the lengths of the shards its position needs; load a "
+            "state saved by this loader's state_dict()."
+        )
+    return alive
+
+
 class Partition:
     """One partition's output: its sources' units, mixed by keyed draws, through its shuffle buffer."""
 
@@ -403,21 +411,9 @@ class Partition:
         elif self.exhausted == "stop":
             a = choose(self.key.one(self.k), range(n), self.weights)
         else:
-            states = [alive(s) for s in range(n)]
-            if any(state is None for state in states):
-                raise DataLoaderStateError(
-                    "The loader's state does not hold the lengths of the shards its mix position needs; "
-                    "load a state saved by this loader's state_dict()."
-                )
-            left = [s for s in range(n) if states[s]]
+            left = [s for s in range(n) if _known(alive(s))]
             return choose(self.key.one(self.k), left, self.weights) if left else None
-        state = alive(a)
-        if state is None:
-            raise DataLoaderStateError(
-                "The loader's state does not hold the lengths of the shards its position needs; load a "
-                "state saved by this loader's state_dict()."
-            )
-        return a if state else None
+        return a if _known(alive(a)) else None
 
     def replay(self, target: int) -> None:
         """Bring the partition to ``target`` outputs from the summaries alone, and plan every

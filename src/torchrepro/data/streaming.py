@@ -521,11 +521,15 @@ def _pass(loader: StreamingLoader, received: int) -> Iterator[Any]:
         items, skip = [], 0
         step_index += 1
     if items and not loader.drop_last:
-        share = -(-len(items) // world_size)
-        padded = (items * (-(-share * world_size // len(items))))[: share * world_size]
-        yield _collate(
-            loader, padded[rank * share : (rank + 1) * share], batch_key, step_index * group + rank
-        )
+        yield _collate(loader, _last_share(items, rank, world_size), batch_key, step_index * group + rank)
+
+
+def _last_share(items: list[Any], rank: int, world_size: int) -> list[Any]:
+    """This rank's part of an epoch's incomplete last step: split over the ranks, padded by
+    repeating the step's own samples."""
+    share = -(-len(items) // world_size)
+    padded = (items * (-(-share * world_size // len(items))))[: share * world_size]
+    return padded[rank * share : (rank + 1) * share]
 
 
 def _collate(loader: StreamingLoader, samples: list[Any], key: Deriver, batch_index: int) -> Any:
@@ -643,10 +647,8 @@ def _steps(loader: StreamingLoader, plan: _Plan) -> Iterator[Any]:
             yield _collate(loader, own[a * m : (a + 1) * m], batch_key, step * group + rank * per_step + a)
         skip = 0
         step += 1
-    if items and not plan.split and not loader.drop_last:  # the incomplete last step, shared as _pass does
-        cut = -(-len(items) // world_size)
-        padded = (items * (-(-cut * world_size // len(items))))[: cut * world_size]
-        yield _collate(loader, padded[rank * cut : (rank + 1) * cut], batch_key, step * group + rank)
+    if items and not plan.split and not loader.drop_last:  # the incomplete last step
+        yield _collate(loader, _last_share(items, rank, world_size), batch_key, step * group + rank)
 
 
 def _partitioned_rest_is_empty(loader: StreamingLoader) -> bool:
